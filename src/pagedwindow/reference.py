@@ -1,0 +1,87 @@
+"""The PyTorch reference of pagedwindow's math; also the CPU backend (``backend="reference"``).
+
+Accepts bf16 / fp16 / fp32 / fp64 tensors. Math runs in fp32 (fp64 when the inputs are fp64, so the same code is
+a float64 oracle); the output is cast once to ``out``'s dtype. Callers pass inputs the API has already checked.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import PagedGeometry
+from .plan import PrefillPagedPlan
+from .semantics import window_start
+
+_LOGITS_BUDGET = 1 << 25  # logits elements materialised at once (128 MiB in fp32)
+
+
+def _layer_cache(pool: torch.Tensor, geometry: PagedGeometry, which: int, num_kv_heads: int, head_dim: int):
+    """K (which=0) or V (which=1) of the geometry's layer as ``[num_pages, page_size, num_kv_heads, head_dim]``."""
+    offset = geometry.k_offset if which == 0 else geometry.v_offset
+    block = geometry.page_size * num_kv_heads * head_dim
+    pages = pool.view(geometry.num_pages, geometry.page_stride)  # [num_pages, page_stride]
+    return pages[:, offset: offset + block].view(geometry.num_pages, geometry.page_size, num_kv_heads, head_dim)
+
+
+def _slots(plan: PrefillPagedPlan, request: int, lo: int, hi: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page id, slot) of KV positions ``lo .. hi-1`` of one request."""
+    pos = torch.arange(lo, hi, device=device)  # [hi - lo]
+    pages = torch.tensor(plan.pages[request], dtype=torch.long, device=device)  # [pages of request]
+    return pages[pos // plan.page_size], pos % plan.page_size
+
+
+def batch_prefill_paged_window(q: torch.Tensor, pool: torch.Tensor, geometry: PagedGeometry, plan: PrefillPagedPlan,
+                               *, sm_scale: float, window_left: int, out: torch.Tensor,
+                               lse: torch.Tensor | None = None) -> None:
+    """Write ``out[:total_tokens]`` (and ``lse[:total_tokens]`` if given) for every request of ``plan``.
+
+    q/out: ``[rows >= total_tokens, num_qo_heads, head_dim]``; lse: ``[rows >= total_tokens, num_qo_heads]``.
+    """
+    hq, hkv, d, group = plan.num_qo_heads, plan.num_kv_heads, plan.head_dim, plan.group_size
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    k_cache = _layer_cache(pool, geometry, 0, hkv, d)  # [num_pages, page_size, hkv, d]
+    v_cache = _layer_cache(pool, geometry, 1, hkv, d)
+    qo = plan.qo_indptr.tolist()
+    for r, (start, seq) in enumerate(zip(plan.start_positions, plan.seq_lens)):
+        if seq == 0:
+            continue
+        kv_len = start + seq
+        rows_per_chunk = max(1, _LOGITS_BUDGET // max(1, hq * kv_len))
+        for j0 in range(0, seq, rows_per_chunk):
+            j1 = min(seq, j0 + rows_per_chunk)
+            q_lo, q_hi = start + j0, start + j1  # KV positions of these query rows: [q_lo, q_hi)
+            k_lo = window_start(q_lo, window_left)
+            page_ids, slots = _slots(plan, r, k_lo, q_hi, pool.device)
+            keys = k_cache[page_ids, slots].to(compute)  # [m, hkv, d]
+            values = v_cache[page_ids, slots].to(compute)  # [m, hkv, d]
+            rows = q[qo[r] + j0: qo[r] + j1].to(compute).view(j1 - j0, hkv, group, d)  # [n, hkv, g, d]
+            logits = torch.einsum("nhgd,mhd->hgnm", rows, keys) * sm_scale  # [hkv, g, n, m]
+            q_pos = torch.arange(q_lo, q_hi, device=pool.device)[:, None]  # [n, 1]
+            k_pos = torch.arange(k_lo, q_hi, device=pool.device)[None, :]  # [1, m]
+            visible = k_pos <= q_pos
+            if window_left >= 0:
+                visible &= (q_pos - k_pos) <= window_left
+            logits = logits.masked_fill(~visible, float("-inf"))
+            row_lse = torch.logsumexp(logits, dim=-1)  # [hkv, g, n]
+            probs = torch.exp(logits - row_lse[..., None])
+            result = torch.einsum("hgnm,mhd->nhgd", probs, values).reshape(j1 - j0, hq, d)  # [n, hq, d]
+            out[qo[r] + j0: qo[r] + j1] = result.to(out.dtype)
+            if lse is not None:
+                lse[qo[r] + j0: qo[r] + j1] = row_lse.permute(2, 0, 1).reshape(j1 - j0, hq).to(lse.dtype)
+
+
+def append_paged_kv(k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, geometry: PagedGeometry,
+                    plan: PrefillPagedPlan) -> None:
+    """Copy each request's new rows (positions ``start_i .. start_i + seq_i - 1``) into their pool slots.
+
+    k/v: ``[rows >= total_tokens, num_kv_heads, head_dim]``, rows in request order (``qo_indptr``).
+    """
+    k_cache = _layer_cache(pool, geometry, 0, plan.num_kv_heads, plan.head_dim)
+    v_cache = _layer_cache(pool, geometry, 1, plan.num_kv_heads, plan.head_dim)
+    qo = plan.qo_indptr.tolist()
+    for r, (start, seq) in enumerate(zip(plan.start_positions, plan.seq_lens)):
+        if seq == 0:
+            continue
+        page_ids, slots = _slots(plan, r, start, start + seq, pool.device)
+        k_cache[page_ids, slots] = k[qo[r]: qo[r] + seq]
+        v_cache[page_ids, slots] = v[qo[r]: qo[r] + seq]

@@ -1,0 +1,56 @@
+"""The attention semantics shared by every backend: the inclusive window, the explicit scale, visibility.
+
+A query at KV position ``q_pos`` sees key ``k`` iff ``k <= q_pos`` and (``window_left == -1`` or
+``q_pos - k <= window_left``). Request ``i`` with ``kv_len_i = start_i + seq_i`` places its query row ``j`` at
+``q_pos = kv_len_i - seq_i + j`` (bottom-right causal alignment).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from .errors import PagedWindowError, checked_i32
+
+NO_WINDOW = -1
+
+
+def window_left_from_sliding_window(sliding_window) -> int:
+    """Convert Hugging Face's ``sliding_window = W`` (W keys including the query) to ``window_left = W - 1``.
+
+    ``None`` (a full-attention layer) maps to ``-1``. This is the only place the conversion happens.
+    """
+    if sliding_window is None:
+        return NO_WINDOW
+    w = checked_i32("sliding_window", sliding_window, minimum=1)
+    return w - 1
+
+
+def check_window_left(window_left) -> int:
+    """``window_left`` is an inclusive distance: ``-1`` (no window) or ``>= 0``; it must fit in int32."""
+    return checked_i32("window_left", window_left, minimum=NO_WINDOW)
+
+
+def check_sm_scale(sm_scale) -> float:
+    """``sm_scale`` is required, finite and > 0 (Gemma 4: 1.0; Gemma 3: query_pre_attn_scalar ** -0.5)."""
+    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+        raise PagedWindowError(f"sm_scale must be a real number, got {sm_scale!r}")
+    value = float(sm_scale)
+    if not math.isfinite(value) or value <= 0.0:
+        raise PagedWindowError(f"sm_scale = {value!r} must be finite and > 0")
+    return value
+
+
+def query_position(kv_len: int, seq_len: int, row: int) -> int:
+    """KV position of query ``row`` of a request with ``kv_len`` keys and ``seq_len`` new rows."""
+    return kv_len - seq_len + row
+
+
+def key_visible(q_pos: int, k: int, window_left: int) -> bool:
+    """Whether the query at ``q_pos`` sees the key at ``k``."""
+    return k <= q_pos and (window_left < 0 or q_pos - k <= window_left)
+
+
+def window_start(q_pos: int, window_left: int) -> int:
+    """Leftmost key visible from ``q_pos``."""
+    return 0 if window_left < 0 else max(0, q_pos - window_left)

@@ -25,12 +25,13 @@ class Case:
 
 def make_case(gen: torch.Generator, *, seq_lens, start_positions, page_size, num_qo_heads, num_kv_heads,
               head_dim, dtype=torch.float64, device="cpu", num_layers=2, layer=1, spare_pages=3,
-              cta_tile_q=None, shared_plan_device=None) -> Case:
+              cta_tile_q=None, shared_plan_device=None, num_pages=None) -> Case:
     """A batch whose pages are a random permutation of the pool, its prefix K/V written straight into the pool
-    (positions < start), every other slot filled with noise, and the new rows' K/V returned for appending."""
+    (positions < start), every other slot filled with noise, and the new rows' K/V returned for appending.
+    ``num_pages`` fixes the pool size (default: the pages needed plus ``spare_pages``)."""
     kv_lens = [s + n for s, n in zip(start_positions, seq_lens)]
     need = [math.ceil(kv / page_size) for kv in kv_lens]
-    num_pages = sum(need) + spare_pages
+    num_pages = sum(need) + spare_pages if num_pages is None else num_pages
     order = torch.randperm(num_pages, generator=gen).tolist()
     pages, at = [], 0
     for n in need:

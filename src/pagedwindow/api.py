@@ -24,19 +24,21 @@ def _cuda_backend():
     return cuda
 
 
-def _resolve_backend(what: str, backend: str, device: torch.device, dtype: torch.dtype) -> str:
+def _resolve_backend(what: str, backend: str, device: torch.device, dtype: torch.dtype,
+                     plan: PrefillPagedPlan) -> str:
     if backend not in BACKENDS:
         raise PagedWindowError(f"{what}: backend {backend!r} is not one of {BACKENDS}")
     if backend == "reference":
         return backend
     if backend == "auto":
-        if device.type != "cuda" or not _cuda_backend().supports(what, dtype):
+        if device.type != "cuda" or _cuda_backend().unsupported(what, dtype, plan) is not None:
             return "reference"
         return "cuda" if _cuda_backend().available() else "reference"
     if device.type != "cuda":
         raise PagedWindowError(f"{what}: backend 'cuda' needs tensors on a CUDA device, got {device}")
-    if not _cuda_backend().supports(what, dtype):
-        raise PagedWindowError(f"{what}: backend 'cuda' does not support dtype {dtype}")
+    reason = _cuda_backend().unsupported(what, dtype, plan)
+    if reason is not None:
+        raise PagedWindowError(f"{what}: backend 'cuda' does not support {reason}")
     _cuda_backend().require()  # raises PagedWindowError naming why the kernels cannot be built or loaded
     return "cuda"
 
@@ -128,9 +130,8 @@ def batch_prefill_paged_window(q: torch.Tensor, pool: torch.Tensor, layout: Page
         _check_rows(what, "lse", lse, rows=plan.total_tokens, tail=(plan.num_qo_heads,), pool=pool,
                     dtype=torch.float32)
         _check_disjoint(what, "lse", lse, {"q": q, "pool": pool})
-    chosen = _resolve_backend(what, backend, q.device, q.dtype)
+    chosen = _resolve_backend(what, backend, q.device, q.dtype, plan)
     if chosen == "cuda":
-        _cuda_backend().check_plan(what, plan)
         _cuda_backend().batch_prefill_paged_window(q, pool, geometry, plan, sm_scale=sm_scale,
                                                    window_left=window_left, out=out, lse=lse)
     else:
@@ -159,7 +160,7 @@ def append_paged_kv(k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, layout
     _check_rows(what, "k", k, rows=plan.total_tokens, tail=tail, pool=pool)
     _check_rows(what, "v", v, rows=plan.total_tokens, tail=tail, pool=pool)
     _check_disjoint(what, "pool", pool, {"k": k, "v": v})
-    chosen = _resolve_backend(what, backend, pool.device, pool.dtype)
+    chosen = _resolve_backend(what, backend, pool.device, pool.dtype, plan)
     if chosen == "cuda":
         _cuda_backend().append_paged_kv(k, v, pool, geometry, plan)
     else:

@@ -1,0 +1,82 @@
+"""The CUDA backend: our kernels (``kernels/``), JIT-built with nvcc and called as torch custom ops.
+
+The API module validates every input; this module only routes checked inputs to the ops. It never imports the
+reference backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import PagedWindowError
+from ..layout import PagedGeometry
+from ..plan import PrefillPagedPlan
+from .build import BuildError
+
+PREFILL_HEAD_DIM = 256
+PREFILL_DTYPES = (torch.bfloat16,)
+APPEND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KERNEL_CTA_TILE_Q = (16, 64)
+
+
+def unsupported(what: str, dtype: torch.dtype, plan: PrefillPagedPlan) -> str | None:
+    """Why the kernels cannot run this call (``auto`` then falls back to the reference), or None."""
+    if what == "append_paged_kv":
+        return None if dtype in APPEND_DTYPES else f"dtype {dtype} (supported: {APPEND_DTYPES})"
+    if dtype not in PREFILL_DTYPES:
+        return f"dtype {dtype} (supported: {PREFILL_DTYPES})"
+    if plan.head_dim != PREFILL_HEAD_DIM:
+        return f"head_dim {plan.head_dim} (the kernel is built for {PREFILL_HEAD_DIM})"
+    if plan.cta_tile_q not in KERNEL_CTA_TILE_Q:
+        return f"the plan's tile cta_tile_q={plan.cta_tile_q} (the kernel runs {KERNEL_CTA_TILE_Q})"
+    return None
+
+
+_load_state: dict[str, str | None] = {}  # "error" -> None when the kernels loaded; filled on first use
+
+
+def _load_error() -> str | None:
+    if "error" not in _load_state:
+        if not torch.cuda.is_available():
+            _load_state["error"] = "no CUDA device is available"
+        else:
+            try:
+                from . import ops
+
+                ops.library(torch.device("cuda", torch.cuda.current_device()))
+                _load_state["error"] = None
+            except (BuildError, OSError) as exc:
+                _load_state["error"] = f"the CUDA kernels could not be built or loaded: {exc}"
+    return _load_state["error"]
+
+
+def available() -> bool:
+    """True when a GPU is present and the kernels build and load (decided once per process)."""
+    return _load_error() is None
+
+
+def require() -> None:
+    error = _load_error()
+    if error is not None:
+        raise PagedWindowError(f"backend 'cuda' is unavailable: {error}")
+
+
+def batch_prefill_paged_window(q, pool, geometry: PagedGeometry, plan: PrefillPagedPlan, *, sm_scale: float,
+                               window_left: int, out, lse=None) -> None:
+    from . import ops
+
+    buffer = plan.device_buffer(q.device)  # uploaded once per plan update; stable address
+    ops.prefill_hd256(q, pool, buffer, out, lse, geometry.k_offset, geometry.v_offset,
+                      geometry.page_stride, geometry.page_size, plan.num_qo_heads, plan.num_kv_heads,
+                      list(plan.capacity.segment_sizes()), plan.capacity.max_tiles, plan.cta_tile_q, sm_scale,
+                      window_left)
+
+
+def append_paged_kv(k, v, pool, geometry: PagedGeometry, plan: PrefillPagedPlan) -> None:
+    from . import ops
+
+    buffer = plan.device_buffer(k.device)
+    ops.append_paged_kv(k, v, pool, buffer, geometry.k_offset, geometry.v_offset, geometry.page_stride,
+                        geometry.page_size, plan.num_kv_heads, plan.head_dim, list(plan.capacity.segment_sizes()),
+                        plan.capacity.max_batch, plan.capacity.max_total_tokens)
+

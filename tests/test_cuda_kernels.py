@@ -1,0 +1,198 @@
+"""GPU suite for our kernels (marker `cuda`): the prefill kernel against float64 under flash-attn's tolerance rule,
+NaN-poisoned outputs, the pool write bit-exact, CUDA-graph replay after plan.update(), torch.compile and opcheck."""
+
+import pytest
+import torch
+
+import pagedwindow as pw
+from tests.cases import dense_attention, make_case
+
+pytestmark = pytest.mark.cuda
+D = 256
+
+
+def plain_bf16_attention(case, *, sm_scale, window_left):
+    """Attention computed by plain torch ops in bf16 end to end (the precision floor of the tolerance rule)."""
+    group = case.q.shape[1] // case.k.shape[1]
+    rows, qo = [], case.plan.qo_indptr.tolist()
+    for r, (fk, fv) in enumerate(zip(case.full_k, case.full_v)):
+        seq, kv = qo[r + 1] - qo[r], fk.shape[0]
+        q = case.q[qo[r]: qo[r + 1]]
+        qpos = torch.arange(kv - seq, kv, device=q.device)[:, None]
+        key = torch.arange(kv, device=q.device)[None, :]
+        mask = (key <= qpos) & ((qpos - key <= window_left) | (window_left == -1))
+        logits = torch.einsum("shd,khd->hsk", q, fk.repeat_interleave(group, 1)) * sm_scale
+        probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+        rows.append(torch.einsum("hsk,khd->shd", probs, fv.repeat_interleave(group, 1)))
+    return torch.cat(rows)
+
+
+GEOMETRIES = [
+    # page_size, seq_lens, start_positions, (hq, hkv), cta_tile_q
+    (16, [577], [0], (16, 8), None),
+    (1, [37, 1], [0, 40], (8, 8), None),
+    (5, [577, 0, 37], [0, 9, 100], (16, 8), 64),
+    (64, [200, 129], [1500, 0], (32, 4), 64),
+    (16, [37, 3], [0, 5], (16, 1), 16),
+    (5, [1], [700], (4, 2), None),
+    (16, [300], [13], (2, 1), 16),
+]
+WINDOWS = [-1, 0, 1, 13, 1023, 10**6]
+
+
+def run_case(geometry, window_left, seed):
+    page_size, seqs, starts, (hq, hkv), tile = geometry
+    gen = torch.Generator().manual_seed(seed)
+    case = make_case(gen, seq_lens=seqs, start_positions=starts, page_size=page_size, num_qo_heads=hq,
+                     num_kv_heads=hkv, head_dim=D, dtype=torch.bfloat16, device="cuda", cta_tile_q=tile)
+    pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan, backend="cuda")
+    rows = case.plan.total_tokens
+    out = torch.full((rows + 3, hq, D), float("nan"), dtype=torch.bfloat16, device="cuda")
+    lse = torch.full((rows + 3, hq), float("nan"), dtype=torch.float32, device="cuda")
+    pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.0625,
+                                  window_left=window_left, out=out, lse=lse, backend="cuda")
+    torch.cuda.synchronize()
+    return case, out, lse
+
+
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"ps{g[0]}-seq{g[1]}-h{g[3][0]}x{g[3][1]}-t{g[4]}")
+@pytest.mark.parametrize("window_left", WINDOWS)
+def test_prefill_kernel_against_float64(geometry, window_left):
+    case, out, lse = run_case(geometry, window_left, seed=hash((str(geometry), window_left)) % 2**31)
+    rows = case.plan.total_tokens
+    exact = dense_attention(case, sm_scale=0.0625, window_left=window_left).cuda()  # [rows, hq, d] fp64
+    plain = plain_bf16_attention(case, sm_scale=0.0625, window_left=window_left)
+    plain_err = (plain.double() - exact).abs().max().item()
+    assert not torch.isnan(out[:rows]).any(), "a row that should have been written was not"
+    assert torch.isnan(out[rows:]).all(), "rows past total_tokens were written"
+    err = (out[:rows].double() - exact).abs().max().item()
+    assert err <= 2 * plain_err + 1e-3, f"max |kernel - fp64| {err:.3e} vs plain bf16 {plain_err:.3e}"
+    ref_lse = torch.empty(rows, case.q.shape[1], dtype=torch.float32, device="cuda")
+    pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.0625,
+                                  window_left=window_left, lse=ref_lse, backend="reference")
+    torch.testing.assert_close(lse[:rows], ref_lse, rtol=1e-3, atol=1e-3)
+    assert torch.isnan(lse[rows:]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("page_size", [1, 5, 16, 64])
+def test_pool_write_bit_exact(dtype, page_size):
+    gen = torch.Generator().manual_seed(page_size)
+    case = make_case(gen, seq_lens=[77, 0, 5], start_positions=[3, 4, 200], page_size=page_size, num_qo_heads=16,
+                     num_kv_heads=8, head_dim=D, dtype=dtype, device="cuda")
+    expected = case.pool.clone()
+    pw.append_paged_kv(case.k, case.v, expected, case.layout, case.layer, case.plan, backend="reference")
+    pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan, backend="cuda")
+    assert torch.equal(case.pool, expected)
+
+
+def test_auto_routes_bf16_to_the_kernel_and_matches_reference():
+    case, out, _ = run_case(GEOMETRIES[0], 1023, seed=1)
+    auto = pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.0625,
+                                         window_left=1023)
+    assert torch.equal(auto, out[: case.plan.total_tokens])
+
+
+def test_cuda_graph_replay_after_plan_update_equals_eager():
+    """Capture append + prefill once on a preallocated plan; after each plan.update() a replay equals eager."""
+    hq, hkv, ps, cap_tokens, num_pages = 16, 8, 16, 512, 160
+    plan = pw.PrefillPagedPlan.preallocated(max_total_tokens=cap_tokens, max_total_pages=128, max_batch=4,
+                                            max_tiles=64, device="cuda")
+    gen = torch.Generator().manual_seed(0)
+    layout = pw.PagedKvLayout(2, hkv, D, ps)
+    pool = layout.allocate(num_pages, torch.bfloat16, "cuda")
+    q = torch.zeros(cap_tokens, hq, D, dtype=torch.bfloat16, device="cuda")
+    k = torch.zeros(cap_tokens, hkv, D, dtype=torch.bfloat16, device="cuda")
+    v = torch.zeros_like(k)
+    out = torch.empty(cap_tokens, hq, D, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        pw.append_paged_kv(k, v, pool, layout, 1, plan, backend="cuda")
+        pw.batch_prefill_paged_window(q, pool, layout, 1, plan, sm_scale=1.0, window_left=1023, out=out,
+                                      backend="cuda")
+
+    def load(case):
+        """Copy a case into the captured buffers and re-plan in place."""
+        p = case.plan
+        plan.update(list(p.pages), p.last_page_len.tolist(), list(p.start_positions), list(p.seq_lens),
+                    num_qo_heads=hq, num_kv_heads=hkv, head_dim=D, page_size=ps, cta_tile_q=64)
+        pool.copy_(case.pool)
+        n = p.total_tokens
+        q[:n], k[:n], v[:n] = case.q, case.k, case.v
+        out.fill_(float("nan"))
+
+    cases = [make_case(gen, seq_lens=seqs, start_positions=starts, page_size=ps, num_qo_heads=hq,
+                       num_kv_heads=hkv, head_dim=D, dtype=torch.bfloat16, device="cuda", num_pages=num_pages)
+             for seqs, starts in (([100, 37], [0, 250]), ([300, 1, 90], [700, 0, 5]), ([5], [1100]))]
+    load(cases[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside capture: builds the library and sets the shared-memory attribute
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for case in cases:
+        n = case.plan.total_tokens
+        load(case)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed, replayed_pool = out.clone(), pool.clone()
+        load(case)
+        step()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed[:n], out[:n]), f"graph replay differs from eager for {case.plan!r}"
+        assert torch.equal(replayed_pool, pool)
+        assert torch.isnan(replayed[n:]).all(), "graph replay wrote rows past total_tokens"
+
+
+def test_torch_compile_fullgraph():
+    case, out, _ = run_case(GEOMETRIES[2], 1023, seed=3)
+    got = torch.empty_like(out)
+
+    def direct(q, pool, out):
+        return pw.batch_prefill_paged_window(q, pool, case.layout, case.layer, case.plan, sm_scale=0.0625,
+                                             window_left=1023, out=out, backend="cuda")
+
+    compiled = torch.compile(direct, fullgraph=True)
+    compiled(case.q, case.pool, got)
+    torch.cuda.synchronize()
+    n = case.plan.total_tokens
+    assert torch.equal(got[:n], out[:n])
+
+
+def test_opcheck_both_ops():
+    case, out, lse = run_case(GEOMETRIES[0], 13, seed=4)
+    plan = case.plan
+    buffer = plan.device_buffer("cuda")
+    geo = pw.checked_paged_geometry("t", case.layout, case.pool, case.layer, D, plan.num_kv_heads)
+    sizes = list(plan.capacity.segment_sizes())
+    torch.library.opcheck(torch.ops.pagedwindow.prefill_hd256.default,
+                          (case.q, case.pool, buffer, out, lse, geo.k_offset, geo.v_offset, geo.page_stride,
+                           geo.page_size, plan.num_qo_heads, plan.num_kv_heads, sizes, plan.capacity.max_tiles,
+                           plan.cta_tile_q, 0.0625, 13))
+    torch.library.opcheck(torch.ops.pagedwindow.append_paged_kv.default,
+                          (case.k, case.v, case.pool, buffer, geo.k_offset, geo.v_offset, geo.page_stride,
+                           geo.page_size, plan.num_kv_heads, D, sizes, plan.capacity.max_batch,
+                           plan.capacity.max_total_tokens))
+
+
+def test_cuda_backend_refuses_what_the_kernel_cannot_do():
+    gen = torch.Generator().manual_seed(9)
+    case = make_case(gen, seq_lens=[5], start_positions=[0], page_size=4, num_qo_heads=4, num_kv_heads=2,
+                     head_dim=64, dtype=torch.bfloat16, device="cuda")
+    out = torch.full_like(case.q, 3.0)
+    with pytest.raises(pw.PagedWindowError, match="does not support head_dim 64"):
+        pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0,
+                                      window_left=-1, out=out, backend="cuda")
+    assert (out == 3.0).all()
+    auto = pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0,
+                                         window_left=-1)  # auto falls back to the reference for head_dim 64
+    ref = pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0,
+                                        window_left=-1, backend="reference")
+    assert torch.equal(auto, ref)
+    q32 = case.q.float()
+    with pytest.raises(pw.PagedWindowError, match="does not support dtype torch.float32"):
+        pw.batch_prefill_paged_window(q32, case.pool.float(), case.layout, case.layer, case.plan, sm_scale=1.0,
+                                      window_left=-1, backend="cuda")

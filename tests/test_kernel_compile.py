@@ -1,0 +1,40 @@
+"""CI gate: every kernel compiles for sm_80, sm_89 and sm_90a with ptxas -v and no spills (nvcc, no GPU)."""
+
+import pytest
+
+from pagedwindow.cuda.build import CI_TARGETS, compile_for_targets, parse_ptxas_report
+
+ENTRY_POINTS = ("pw_prefill", "pw_append")
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    return compile_for_targets(CI_TARGETS, tmp_path_factory.mktemp("cubins"))
+
+
+def test_every_kernel_compiles_for_every_target(compiled):
+    resources, report = compiled
+    targets = {r.target for r in resources}
+    assert targets == set(CI_TARGETS), report[-3000:]
+    for target in CI_TARGETS:
+        names = [r.function for r in resources if r.target == target]
+        assert any("prefill" in n for n in names) and any("append" in n for n in names), names
+
+
+def test_no_spills_and_no_stack(compiled):
+    resources, report = compiled
+    assert resources
+    bad = [r for r in resources if r.spill_stores or r.spill_loads or r.stack_frame]
+    assert not bad, "\n".join(f"{r.target} {r.function}: {r.registers} regs, stack {r.stack_frame}, "
+                              f"spill {r.spill_stores}/{r.spill_loads}" for r in bad)
+    assert "warning" not in report.lower() or "spill" not in report.lower()
+
+
+def test_ptxas_report_parser():
+    text = """ptxas info    : Compiling entry function '_Z6kernelv' for 'sm_90a'
+ptxas info    : Function properties for _Z6kernelv
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers, 1024 bytes smem, 400 bytes cmem[0]"""
+    (r,) = parse_ptxas_report(text)
+    assert (r.target, r.registers, r.stack_frame, r.spill_stores, r.spill_loads, r.shared_bytes) == (
+        "sm_90a", 168, 8, 4, 4, 1024)

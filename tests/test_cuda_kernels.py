@@ -196,3 +196,16 @@ def test_cuda_backend_refuses_what_the_kernel_cannot_do():
     with pytest.raises(pw.PagedWindowError, match="does not support dtype torch.float32"):
         pw.batch_prefill_paged_window(q32, case.pool.float(), case.layout, case.layer, case.plan, sm_scale=1.0,
                                       window_left=-1, backend="cuda")
+
+
+def test_cuda_backend_refuses_misaligned_tensors():
+    case, _, _ = run_case(GEOMETRIES[1], 13, seed=5)
+    n, h = case.q.shape[0], case.q.shape[1]
+    flat = torch.empty(n * h * D + 8, dtype=torch.bfloat16, device="cuda")
+    q = flat[1: 1 + n * h * D].view(n, h, D)  # contiguous, 2 bytes off 16-byte alignment
+    q.copy_(case.q)
+    out = torch.full_like(case.q, 3.0)
+    with pytest.raises(pw.PagedWindowError, match="not 16-byte aligned"):
+        pw.batch_prefill_paged_window(q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0,
+                                      window_left=-1, out=out, backend="cuda")
+    assert (out == 3.0).all()

@@ -24,19 +24,20 @@ def _cuda_backend():
     return cuda
 
 
-def _resolve_backend(what: str, backend: str, device: torch.device, dtype: torch.dtype,
-                     plan: PrefillPagedPlan) -> str:
+def _resolve_backend(what: str, backend: str, plan: PrefillPagedPlan, *tensors: torch.Tensor) -> str:
+    """The backend that runs this call; ``tensors[0]`` decides device and dtype."""
+    device = tensors[0].device
     if backend not in BACKENDS:
         raise PagedWindowError(f"{what}: backend {backend!r} is not one of {BACKENDS}")
     if backend == "reference":
         return backend
     if backend == "auto":
-        if device.type != "cuda" or _cuda_backend().unsupported(what, dtype, plan) is not None:
+        if device.type != "cuda" or _cuda_backend().unsupported(what, plan, *tensors) is not None:
             return "reference"
         return "cuda" if _cuda_backend().available() else "reference"
     if device.type != "cuda":
         raise PagedWindowError(f"{what}: backend 'cuda' needs tensors on a CUDA device, got {device}")
-    reason = _cuda_backend().unsupported(what, dtype, plan)
+    reason = _cuda_backend().unsupported(what, plan, *tensors)
     if reason is not None:
         raise PagedWindowError(f"{what}: backend 'cuda' does not support {reason}")
     _cuda_backend().require()  # raises PagedWindowError naming why the kernels cannot be built or loaded
@@ -130,7 +131,7 @@ def batch_prefill_paged_window(q: torch.Tensor, pool: torch.Tensor, layout: Page
         _check_rows(what, "lse", lse, rows=plan.total_tokens, tail=(plan.num_qo_heads,), pool=pool,
                     dtype=torch.float32)
         _check_disjoint(what, "lse", lse, {"q": q, "pool": pool})
-    chosen = _resolve_backend(what, backend, q.device, q.dtype, plan)
+    chosen = _resolve_backend(what, backend, plan, q, pool, out, lse)
     if chosen == "cuda":
         _cuda_backend().batch_prefill_paged_window(q, pool, geometry, plan, sm_scale=sm_scale,
                                                    window_left=window_left, out=out, lse=lse)
@@ -160,7 +161,7 @@ def append_paged_kv(k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, layout
     _check_rows(what, "k", k, rows=plan.total_tokens, tail=tail, pool=pool)
     _check_rows(what, "v", v, rows=plan.total_tokens, tail=tail, pool=pool)
     _check_disjoint(what, "pool", pool, {"k": k, "v": v})
-    chosen = _resolve_backend(what, backend, pool.device, pool.dtype, plan)
+    chosen = _resolve_backend(what, backend, plan, pool, k, v)
     if chosen == "cuda":
         _cuda_backend().append_paged_kv(k, v, pool, geometry, plan)
     else:

@@ -19,16 +19,26 @@ APPEND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KERNEL_CTA_TILE_Q = (16, 64)
 
 
-def unsupported(what: str, dtype: torch.dtype, plan: PrefillPagedPlan) -> str | None:
-    """Why the kernels cannot run this call (``auto`` then falls back to the reference), or None."""
+def unsupported(what: str, plan: PrefillPagedPlan, *tensors: torch.Tensor) -> str | None:
+    """Why the kernels cannot run this call (``auto`` then falls back to the reference), or None.
+
+    ``tensors`` are the call's tensors, the first one's dtype deciding; the kernels need 16-byte aligned
+    addresses (a contiguous view starting mid-row can break that).
+    """
+    dtype = tensors[0].dtype
     if what == "append_paged_kv":
-        return None if dtype in APPEND_DTYPES else f"dtype {dtype} (supported: {APPEND_DTYPES})"
-    if dtype not in PREFILL_DTYPES:
+        if dtype not in APPEND_DTYPES:
+            return f"dtype {dtype} (supported: {APPEND_DTYPES})"
+    elif dtype not in PREFILL_DTYPES:
         return f"dtype {dtype} (supported: {PREFILL_DTYPES})"
-    if plan.head_dim != PREFILL_HEAD_DIM:
+    elif plan.head_dim != PREFILL_HEAD_DIM:
         return f"head_dim {plan.head_dim} (the kernel is built for {PREFILL_HEAD_DIM})"
-    if plan.cta_tile_q not in KERNEL_CTA_TILE_Q:
+    elif plan.cta_tile_q not in KERNEL_CTA_TILE_Q:
         return f"the plan's tile cta_tile_q={plan.cta_tile_q} (the kernel runs {KERNEL_CTA_TILE_Q})"
+    if not torch.compiler.is_compiling():
+        for t in tensors:
+            if t is not None and t.data_ptr() % 16:
+                return f"a tensor at address {t.data_ptr():#x}, which is not 16-byte aligned"
     return None
 
 

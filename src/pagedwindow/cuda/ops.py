@@ -36,6 +36,9 @@ def library(device: torch.device) -> ctypes.CDLL:
             lib.pw_prefill_hd256_bf16.restype = _c_int
             lib.pw_append_paged_kv.argtypes = _APPEND_ARGS
             lib.pw_append_paged_kv.restype = _c_int
+            for name in ("pw_prefill_hd256_error_string", "pw_append_paged_kv_error_string"):
+                getattr(lib, name).argtypes = [_c_int]
+                getattr(lib, name).restype = ctypes.c_char_p
             _libraries[target] = lib
     return lib
 
@@ -48,9 +51,10 @@ def _segment_pointers(plan_buffer: torch.Tensor, segment_sizes: list[int]) -> li
     return pointers
 
 
-def _check(code: int, name: str) -> None:
+def _check(lib: ctypes.CDLL, code: int, name: str) -> None:
     if code != 0:
-        raise RuntimeError(f"{name} failed with code {code}")
+        what = getattr(lib, f"{name}_error_string")(code).decode()
+        raise RuntimeError(f"{name} failed with code {code}: {what}")
 
 
 @torch.library.custom_op("pagedwindow::prefill_hd256", mutates_args=("out", "lse"))
@@ -60,12 +64,14 @@ def prefill_hd256(q: torch.Tensor, pool: torch.Tensor, plan_buffer: torch.Tensor
                   cta_tile_q: int, sm_scale: float, window_left: int) -> None:
     """Windowed paged prefill, bf16, head_dim 256. Inputs are validated by ``pagedwindow.api``."""
     pages, page_indptr, last, qo_indptr, requests, qo_tiles, scalars = _segment_pointers(plan_buffer, segment_sizes)
-    stream = torch.cuda.current_stream(q.device).cuda_stream
-    code = library(q.device).pw_prefill_hd256_bf16(
-        q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else None, pool.data_ptr(), k_offset,
-        v_offset, page_stride, page_size, num_qo_heads, num_kv_heads, pages, page_indptr, last, qo_indptr,
-        requests, qo_tiles, scalars, grid_tiles, cta_tile_q, sm_scale, window_left, stream)
-    _check(code, "pw_prefill_hd256_bf16")
+    lib = library(q.device)
+    with torch.cuda.device(q.device):  # the launcher launches on the current device
+        stream = torch.cuda.current_stream(q.device).cuda_stream
+        code = lib.pw_prefill_hd256_bf16(
+            q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else None, pool.data_ptr(), k_offset,
+            v_offset, page_stride, page_size, num_qo_heads, num_kv_heads, pages, page_indptr, last, qo_indptr,
+            requests, qo_tiles, scalars, grid_tiles, cta_tile_q, sm_scale, window_left, stream)
+    _check(lib, code, "pw_prefill_hd256")
 
 
 @prefill_hd256.register_fake
@@ -80,12 +86,14 @@ def append_paged_kv(k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, plan_b
                     head_dim: int, segment_sizes: list[int], batch_capacity: int, token_capacity: int) -> None:
     """Scatter the plan's new K/V rows into their pool slots (a bit-exact copy)."""
     pages, page_indptr, last, qo_indptr, _, _, scalars = _segment_pointers(plan_buffer, segment_sizes)
-    stream = torch.cuda.current_stream(k.device).cuda_stream
-    code = library(k.device).pw_append_paged_kv(
-        k.data_ptr(), v.data_ptr(), pool.data_ptr(), k_offset, v_offset, page_stride, page_size, num_kv_heads,
-        head_dim, k.element_size(), pages, page_indptr, last, qo_indptr, scalars, batch_capacity, token_capacity,
-        stream)
-    _check(code, "pw_append_paged_kv")
+    lib = library(k.device)
+    with torch.cuda.device(k.device):
+        stream = torch.cuda.current_stream(k.device).cuda_stream
+        code = lib.pw_append_paged_kv(
+            k.data_ptr(), v.data_ptr(), pool.data_ptr(), k_offset, v_offset, page_stride, page_size, num_kv_heads,
+            head_dim, k.element_size(), pages, page_indptr, last, qo_indptr, scalars, batch_capacity,
+            token_capacity, stream)
+    _check(lib, code, "pw_append_paged_kv")
 
 
 @append_paged_kv.register_fake

@@ -1,0 +1,633 @@
+// pagedwindow: windowed paged prefill attention, head_dim 256, bf16 in/out.
+//
+// Semantics (see shared DESIGN.md section 2):
+//   query row j of request r sits at KV position q_pos = kv_len_r - seq_r + j (bottom-right causal);
+//   key k (0 <= k < kv_len_r) is visible iff k <= q_pos and (window_left < 0 or q_pos - k <= window_left).
+//   logits = sm_scale * q.k in fp32; softmax in fp32 (exp2 with log2(e) folded into the scale);
+//   out = softmax . V accumulated in fp32, cast once to bf16. Optional natural-log LSE per (row, q head).
+//
+// Structure (FA2-class, mma.sync path; an sm_90a wgmma path can be added as another kernel behind the
+// same launcher):
+//   * CTA = kWarps warps, each warp owns 16 packed (token, head-in-group) query rows; cta_tile_q = 16*kWarps.
+//   * KV tile = 64 keys. Q, K and V live in dynamic shared memory, 512-byte rows, 16-byte chunks XOR-swizzled
+//     by (row & 7) so that ldmatrix and cp.async are bank-conflict free.
+//   * S = Q K^T and O += P V with mma.sync.m16n8k16 (bf16 -> fp32). Q fragments are re-read from shared
+//     memory with ldmatrix every KV tile (holding them would cost 64 registers); K via ldmatrix, V via
+//     ldmatrix.trans. P is re-packed from the S accumulators into A fragments in registers.
+//   * kStages == 1: one K buffer and one V buffer; the load of V(j) overlaps S = Q K(j)^T and the softmax,
+//     the load of K(j+1) overlaps O += P V(j) (FlashAttention-2's schedule). 96 KB at 64 rows, so two CTAs
+//     share an SM on H100/H200 (228 KB per SM), and it fits sm_86/sm_89 (99 KB per block).
+//     kStages == 2: K and V both double-buffered; tile j+1 is loaded while tile j is computed. 160 KB at 64
+//     rows: one CTA per SM; fits sm_80 and sm_90 only.
+//     The 64-row launcher picks per device (PW_PREFILL_KV_STAGES=0, the default): 1 where two 1-stage CTAs
+//     fit in one SM's shared memory (H100/H200), else 2 where it fits (A100: one CTA per SM either way),
+//     else 1. -DPW_PREFILL_KV_STAGES=1 or =2 forces one schedule (for benchmarking).
+//   * KV tiles wholly left of the window are never read: the loop starts at the window's left edge of the
+//     tile's first query row (rounded down to 64) and ends at the last query row's position. Keys outside
+//     [that left edge, last row's position] are zero-filled instead of read; only boundary tiles are masked.
+//
+// Plain CUDA C++, no torch headers. Targets: sm_80, sm_89, sm_90a.
+
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+#include <math.h>
+#include <atomic>
+
+// K/V buffering of the 64-row tile: 0 = choose per device (default), 1 or 2 = force.
+#ifndef PW_PREFILL_KV_STAGES
+#define PW_PREFILL_KV_STAGES 0
+#endif
+#if PW_PREFILL_KV_STAGES != 0 && PW_PREFILL_KV_STAGES != 1 && PW_PREFILL_KV_STAGES != 2
+#error "PW_PREFILL_KV_STAGES must be 0 (auto), 1 or 2"
+#endif
+
+// ---------------------------------------------------------------------------------------------------------
+// Error codes (negative: argument errors found before any launch; positive: a cudaError_t).
+// ---------------------------------------------------------------------------------------------------------
+enum PwPrefillStatus {
+  PW_PREFILL_OK = 0,
+  PW_PREFILL_ERR_NULL_POINTER = -1,      // a required pointer is NULL
+  PW_PREFILL_ERR_NONPOSITIVE_SIZE = -2,  // page_size, num_qo_heads, num_kv_heads, page_stride < 1 or grid_tiles < 0
+  PW_PREFILL_ERR_HEAD_RATIO = -3,        // num_qo_heads % num_kv_heads != 0
+  PW_PREFILL_ERR_UNSUPPORTED_TILE = -4,  // cta_tile_q not in {16, 64, 128}
+  PW_PREFILL_ERR_MISALIGNED = -5,        // q/out/pool not 16-byte aligned, lse not 4-byte aligned,
+                                         // or k_offset/v_offset/page_stride not a multiple of 8 elements
+  PW_PREFILL_ERR_BAD_SCALE = -6,         // sm_scale not finite or not > 0
+  PW_PREFILL_ERR_BAD_WINDOW = -7,        // window_left < -1
+  PW_PREFILL_ERR_NEGATIVE_OFFSET = -9,   // k_offset or v_offset < 0
+  PW_PREFILL_ERR_SMEM_UNAVAILABLE = -10, // the device cannot give this tile the shared memory it needs
+  PW_PREFILL_ERR_TOO_LARGE = -11,        // num_kv_heads > 65535 (grid y) or num_qo_heads * 256 past int32
+};
+
+namespace pw_prefill {
+
+constexpr int kHeadDim = 256;
+constexpr int kKvTile = 64;                   // keys per KV tile
+constexpr int kRowBytes = kHeadDim * 2;       // 512 bytes per bf16 row
+constexpr int kChunksPerRow = kRowBytes / 16; // 32 sixteen-byte chunks: one warp copies one row per step
+static_assert(kChunksPerRow == 32, "the loaders map one lane to one 16-byte chunk of a row");
+
+struct Params {
+  const __nv_bfloat16* q;
+  __nv_bfloat16* out;
+  float* lse;
+  const __nv_bfloat16* pool;
+  long long k_offset;
+  long long v_offset;
+  long long page_stride;
+  const int* page_indices;
+  const int* page_indptr;
+  const int* last_page_len;
+  const int* qo_indptr;
+  const int* request_indices;
+  const int* qo_tile_indices;
+  const int* plan_scalars;
+  int page_size;
+  int num_qo_heads;
+  int num_kv_heads;
+  int group;
+  int window_left;
+  float scale_log2;  // sm_scale * log2(e)
+};
+
+// ------------------------------------------------------------------------------------------------ PTX helpers
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Byte offset of 16-byte chunk `chunk` (0..31) of row `row` in a swizzled 512-byte-row tile.
+__device__ __forceinline__ uint32_t swz(int row, int chunk) {
+  return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
+}
+
+// 16-byte async copy global -> shared; src_bytes 0 writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
+                                              uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+// D = A * B + D, m16n8k16, A row-major bf16, B col-major bf16, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                               uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) == +0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Two floats -> bf16x2 (round to nearest even); `lo` goes to the low 16 bits (the lower column index).
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
+// ------------------------------------------------------------------------------------------- KV tile loader
+// Warp w copies rows w, w + kWarps, w + 2*kWarps, ... of a 64-key tile; lane l copies chunk l of each row.
+// The per-row element offset inside the pool (page * page_stride + (slot * Hkv + kv_head) * 256, or -1 when
+// the key is outside [kv_lo, kv_hi)) is computed once per row by one lane and broadcast with shuffles.
+template <int kWarps>
+struct KvRows {
+  static constexpr int kRowsPerWarp = kKvTile / kWarps;
+  static constexpr int kRegs = (kRowsPerWarp + 31) / 32;
+  long long off[kRegs];
+
+  __device__ __forceinline__ void compute(const Params& p, int kb, int kv_lo, int kv_hi, int page_base,
+                                          int kv_head, int warp, int lane) {
+#pragma unroll
+    for (int o = 0; o < kRegs; ++o) {
+      const int it = lane + 32 * o;
+      const int pos = kb + warp + it * kWarps;
+      long long v = -1;
+      if (it < kRowsPerWarp && pos >= kv_lo && pos < kv_hi) {
+        const int pi = pos / p.page_size;
+        const int slot = pos - pi * p.page_size;
+        const int page = __ldg(p.page_indices + page_base + pi);
+        v = static_cast<long long>(page) * p.page_stride +
+            static_cast<long long>(slot * p.num_kv_heads + kv_head) * kHeadDim;
+      }
+      off[o] = v;
+    }
+  }
+
+  // Issue the cp.async copies of one 64 x 256 tile (K when base == k_offset, V when base == v_offset).
+  __device__ __forceinline__ void issue(const Params& p, uint32_t s_tile, long long base, int warp,
+                                        int lane) const {
+    constexpr int kInner = kRowsPerWarp < 32 ? kRowsPerWarp : 32;
+    const __nv_bfloat16* pool_lane = p.pool + base + lane * 8;
+#pragma unroll
+    for (int o = 0; o < kRegs; ++o) {
+#pragma unroll 4
+      for (int i = 0; i < kInner; ++i) {
+        const long long row_off = __shfl_sync(0xffffffffu, off[o], i);
+        const int r = warp + (32 * o + i) * kWarps;
+        const bool valid = row_off >= 0;
+        const void* src =
+            valid ? static_cast<const void*>(pool_lane + row_off) : static_cast<const void*>(p.pool);
+        cp_async_16(s_tile + swz(r, lane), src, valid ? 16 : 0);
+      }
+    }
+  }
+};
+
+// ------------------------------------------------------------------------------------------------ the kernel
+template <int kWarps, int kStages>
+__global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1))
+    pw_prefill_hd256_kernel(const Params p) {
+  constexpr int kCtaQ = 16 * kWarps;
+  constexpr uint32_t kQBytes = kCtaQ * kRowBytes;
+  constexpr uint32_t kKvBytes = kKvTile * kRowBytes;  // 32 KB
+  constexpr float kNegInf = -INFINITY;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+
+  const int tile = blockIdx.x;
+  if (tile >= p.plan_scalars[2]) return;  // grid x is a capacity; the real tile count lives on the device
+  const int kv_head = blockIdx.y;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+
+  // ---- tile geometry (uniform across the CTA)
+  const int req = p.request_indices[tile];
+  const int qtile = p.qo_tile_indices[tile];
+  const int qo_begin = p.qo_indptr[req];
+  const int seq = p.qo_indptr[req + 1] - qo_begin;
+  const int page_base = p.page_indptr[req];
+  const int num_pages = p.page_indptr[req + 1] - page_base;
+  const int kv_len = (num_pages - 1) * p.page_size + p.last_page_len[req];
+  const int group = p.group;
+  const int row0 = qtile * kCtaQ;                           // first packed row of this tile
+  const int rows_valid = min(kCtaQ, seq * group - row0);    // packed rows this tile owns
+  if (rows_valid <= 0) return;
+  const int q_shift = kv_len - seq;                         // q_pos = q_shift + token
+  const int wl = p.window_left;
+  const int qpos_first = q_shift + row0 / group;
+  const int qpos_last = q_shift + (row0 + rows_valid - 1) / group;
+  const int kv_lo = (wl >= 0) ? max(qpos_first - wl, 0) : 0;  // first key any row of the tile can see
+  const int kv_hi = min(qpos_last + 1, kv_len);               // one past the last key any row can see
+  const int kv_start = (kv_lo / kKvTile) * kKvTile;
+  const int n_tiles = (kv_hi > kv_start) ? (kv_hi - kv_start + kKvTile - 1) / kKvTile : 0;
+
+  // ---- shared memory carve-up: Q | K[kStages] | V[kStages]
+  const uint32_t sQ = smem_addr(smem);
+  const uint32_t sK = sQ + kQBytes;
+  const uint32_t sV = sK + kStages * kKvBytes;
+
+  // ---- Q tile -> shared (rows past rows_valid are zero-filled)
+#pragma unroll 4
+  for (int it = 0; it < kCtaQ / kWarps; ++it) {
+    const int r = warp + it * kWarps;
+    const bool valid = r < rows_valid;
+    const void* src = p.q;
+    if (valid) {
+      const int pr = row0 + r;
+      const int tok = pr / group;
+      const int head = kv_head * group + (pr - tok * group);
+      src = p.q + (static_cast<long long>(qo_begin + tok) * p.num_qo_heads + head) * kHeadDim + lane * 8;
+    }
+    cp_async_16(sQ + swz(r, lane), src, valid ? 16 : 0);
+  }
+
+  KvRows<kWarps> rows;
+  if (n_tiles > 0) {
+    rows.compute(p, kv_start, kv_lo, kv_hi, page_base, kv_head, warp, lane);
+    rows.issue(p, sK, p.k_offset, warp, lane);
+    if constexpr (kStages == 2) rows.issue(p, sV, p.v_offset, warp, lane);
+  }
+  cp_async_commit();
+
+  // ---- per-lane fragment addressing (see README: ldmatrix lane -> row/chunk maps)
+  const int g = lane >> 2;   // accumulator row within the warp's 16 rows (and g + 8)
+  const int c4 = lane & 3;   // accumulator column pair
+  const int l7 = lane & 7;
+  const int b3 = (lane >> 3) & 1;
+  const int b4 = (lane >> 4) & 1;
+  uint32_t q_off[4], k_off[4], v_off[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    // Q (A operand): lane -> row (lane & 15), chunk 2*kk + b4.
+    q_off[i] = sQ + (warp * 16 + (lane & 15)) * kRowBytes + (((2 * i) ^ (b4 ^ l7)) << 4);
+    // K (B operand, non-trans): lane -> key 8*b4 + l7, chunk 2*kk + b3.
+    k_off[i] = (b4 * 8 + l7) * kRowBytes + (((2 * i) ^ (b3 ^ l7)) << 4);
+    // V (B operand, trans): lane -> key 8*b3 + l7, chunk 2*dp + b4.
+    v_off[i] = (b3 * 8 + l7) * kRowBytes + (((2 * i) ^ (b4 ^ l7)) << 4);
+  }
+
+  // ---- per-thread query rows: packed rows warp*16 + g (index 0) and warp*16 + g + 8 (index 1)
+  const int prow0 = row0 + warp * 16 + g;
+  const int qp0 = q_shift + prow0 / group;
+  const int qp1 = q_shift + (prow0 + 8) / group;
+  const int lo0 = (wl >= 0) ? qp0 - wl : 0;
+  const int lo1 = (wl >= 0) ? qp1 - wl : 0;
+  const float sl2 = p.scale_log2;
+
+  float o[32][4];
+#pragma unroll
+  for (int n = 0; n < 32; ++n) {
+    o[n][0] = 0.f; o[n][1] = 0.f; o[n][2] = 0.f; o[n][3] = 0.f;
+  }
+  float m0 = kNegInf, m1 = kNegInf;  // running max of scaled (log2-domain) logits
+  float l0 = 0.f, l1 = 0.f;          // this thread's partial row sums (quad-reduced at the end)
+
+  for (int j = 0; j < n_tiles; ++j) {
+    const int kb = kv_start + j * kKvTile;
+    const uint32_t kbuf = sK + ((kStages == 2) ? (j & 1) * kKvBytes : 0u);
+    const uint32_t vbuf = sV + ((kStages == 2) ? (j & 1) * kKvBytes : 0u);
+
+    cp_async_wait_all();
+    __syncthreads();  // K(j) (and Q) visible; every warp is done with the buffers about to be refilled
+    if constexpr (kStages == 1) {
+      rows.issue(p, sV, p.v_offset, warp, lane);  // V(j): same rows as K(j)
+      cp_async_commit();
+    } else {
+      if (j + 1 < n_tiles) {
+        const uint32_t nb = ((j + 1) & 1) * kKvBytes;
+        rows.compute(p, kb + kKvTile, kv_lo, kv_hi, page_base, kv_head, warp, lane);
+        rows.issue(p, sK + nb, p.k_offset, warp, lane);
+        rows.issue(p, sV + nb, p.v_offset, warp, lane);
+      }
+      cp_async_commit();
+    }
+
+    // ---- S = Q K^T: 16 rows x 64 keys per warp; s[n] covers keys kb + 8n .. kb + 8n + 7
+    float s[8][4];
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      s[n][0] = 0.f; s[n][1] = 0.f; s[n][2] = 0.f; s[n][3] = 0.f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < 16; ++kk) {
+      uint32_t a0, a1, a2, a3;
+      ldsm_x4(a0, a1, a2, a3, q_off[kk & 3] + (kk >> 2) * 128);
+#pragma unroll
+      for (int np = 0; np < 4; ++np) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4(b0, b1, b2, b3, kbuf + k_off[kk & 3] + (kk >> 2) * 128 + np * 16 * kRowBytes);
+        mma_bf16_16816(s[2 * np], a0, a1, a2, a3, b0, b1);
+        mma_bf16_16816(s[2 * np + 1], a0, a1, a2, a3, b2, b3);
+      }
+    }
+
+    // ---- mask boundary tiles only
+    const bool full_tile = (kb + kKvTile - 1 <= qpos_first) && (wl < 0 || kb >= qpos_last - wl);
+    if (!full_tile) {
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = kb + 8 * n + 2 * c4 + (e & 1);
+          const bool vis = (e < 2) ? (key >= lo0 && key <= qp0) : (key >= lo1 && key <= qp1);
+          if (!vis) s[n][e] = kNegInf;
+        }
+      }
+    }
+
+    // ---- online softmax (log2 domain)
+    float mx0 = kNegInf, mx1 = kNegInf;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
+      mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0 * sl2);  // sl2 > 0, so scaling commutes with max
+    const float mn1 = fmaxf(m1, mx1 * sl2);
+    // A row with nothing visible yet keeps max -inf: subtract 0 instead, so exp2(-inf - 0) = 0, not NaN.
+    const float mu0 = (mn0 == kNegInf) ? 0.f : mn0;
+    const float mu1 = (mn1 == kNegInf) ? 0.f : mn1;
+    const float alpha0 = fast_exp2(m0 - mu0);  // m0 == -inf -> 0 (O and l are still 0 then)
+    const float alpha1 = fast_exp2(m1 - mu1);
+    m0 = mn0;
+    m1 = mn1;
+    float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      s[n][0] = fast_exp2(fmaf(s[n][0], sl2, -mu0));
+      s[n][1] = fast_exp2(fmaf(s[n][1], sl2, -mu0));
+      s[n][2] = fast_exp2(fmaf(s[n][2], sl2, -mu1));
+      s[n][3] = fast_exp2(fmaf(s[n][3], sl2, -mu1));
+      rs0 += s[n][0] + s[n][1];
+      rs1 += s[n][2] + s[n][3];
+    }
+    l0 = l0 * alpha0 + rs0;
+    l1 = l1 * alpha1 + rs1;
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      o[n][0] *= alpha0; o[n][1] *= alpha0;
+      o[n][2] *= alpha1; o[n][3] *= alpha1;
+    }
+    // P as A fragments: k-step ks covers keys 16*ks .. 16*ks + 15 = S n-tiles 2ks (cols 0-7), 2ks+1 (8-15).
+    uint32_t pf[4][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      pf[ks][0] = pack_bf16x2(s[2 * ks][0], s[2 * ks][1]);          // row g,   keys 2c, 2c+1
+      pf[ks][1] = pack_bf16x2(s[2 * ks][2], s[2 * ks][3]);          // row g+8, keys 2c, 2c+1
+      pf[ks][2] = pack_bf16x2(s[2 * ks + 1][0], s[2 * ks + 1][1]);  // row g,   keys 8+2c, 8+2c+1
+      pf[ks][3] = pack_bf16x2(s[2 * ks + 1][2], s[2 * ks + 1][3]);  // row g+8, keys 8+2c, 8+2c+1
+    }
+
+    if constexpr (kStages == 1) {
+      cp_async_wait_all();
+      __syncthreads();  // V(j) visible; every warp is done reading K(j)
+      if (j + 1 < n_tiles) {
+        rows.compute(p, kb + kKvTile, kv_lo, kv_hi, page_base, kv_head, warp, lane);
+        rows.issue(p, sK, p.k_offset, warp, lane);  // K(j+1) overlaps O += P V(j)
+      }
+      cp_async_commit();
+    }
+
+    // ---- O += P V: o[n] covers head dims 8n .. 8n + 7
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+      for (int dp = 0; dp < 16; ++dp) {
+        uint32_t b0, b1, b2, b3;
+        ldsm_x4_trans(b0, b1, b2, b3, vbuf + v_off[dp & 3] + (dp >> 2) * 128 + ks * 16 * kRowBytes);
+        mma_bf16_16816(o[2 * dp], pf[ks][0], pf[ks][1], pf[ks][2], pf[ks][3], b0, b1);
+        mma_bf16_16816(o[2 * dp + 1], pf[ks][0], pf[ks][1], pf[ks][2], pf[ks][3], b2, b3);
+      }
+    }
+  }
+
+  // ---- epilogue: normalise, stage the warp's 16 rows as bf16 in its own Q rows, copy out 16 B per lane
+  cp_async_wait_all();
+  __syncthreads();  // no copy may still be landing in shared memory (covers n_tiles == 0)
+
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  const float inv0 = (l0 > 0.f) ? 1.f / l0 : 0.f;
+  const float inv1 = (l1 > 0.f) ? 1.f / l1 : 0.f;
+
+  // Only this warp ever reads its 16 Q rows, so it may overwrite them now.
+  const int wrow = warp * 16 + g;
+#pragma unroll
+  for (int n = 0; n < 32; ++n) {
+    const uint32_t a = sQ + wrow * kRowBytes + ((n ^ g) << 4) + c4 * 4;  // (wrow & 7) == g
+    st_shared_b32(a, pack_bf16x2(o[n][0] * inv0, o[n][1] * inv0));
+    st_shared_b32(a + 8 * kRowBytes, pack_bf16x2(o[n][2] * inv1, o[n][3] * inv1));
+  }
+  __syncwarp();
+
+  if (p.lse != nullptr && c4 == 0) {
+    constexpr float kLn2 = 0.69314718055994530942f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = warp * 16 + g + 8 * h;
+      if (r < rows_valid) {
+        const int pr = row0 + r;
+        const int tok = pr / group;
+        const int head = kv_head * group + (pr - tok * group);
+        const float l = h ? l1 : l0;
+        const float m = h ? m1 : m0;
+        p.lse[static_cast<long long>(qo_begin + tok) * p.num_qo_heads + head] =
+            (l > 0.f) ? (m + __log2f(l)) * kLn2 : kNegInf;
+      }
+    }
+  }
+
+#pragma unroll 4
+  for (int i = 0; i < 16; ++i) {
+    const int r = warp * 16 + i;
+    if (r < rows_valid) {
+      const int pr = row0 + r;
+      const int tok = pr / group;
+      const int head = kv_head * group + (pr - tok * group);
+      const uint4 v = ld_shared_v4(sQ + swz(r, lane));
+      __nv_bfloat16* dst =
+          p.out + (static_cast<long long>(qo_begin + tok) * p.num_qo_heads + head) * kHeadDim + lane * 8;
+      *reinterpret_cast<uint4*>(dst) = v;
+    }
+  }
+}
+
+template <int kWarps, int kStages>
+constexpr int smem_bytes() {
+  return (16 * kWarps + 2 * kStages * kKvTile) * kRowBytes;
+}
+
+constexpr int kMaxDevices = 64;
+
+// Opt the kernel into > 48 KB of dynamic shared memory once per device (a static flag per device id).
+template <int kWarps, int kStages>
+static int ensure_smem(int device) {
+  static std::atomic<int> done[kMaxDevices];
+  constexpr int bytes = smem_bytes<kWarps, kStages>();
+  if (device >= 0 && device < kMaxDevices && done[device].load(std::memory_order_acquire)) return 0;
+  int optin = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  if (optin < bytes) return PW_PREFILL_ERR_SMEM_UNAVAILABLE;
+  e = cudaFuncSetAttribute(pw_prefill_hd256_kernel<kWarps, kStages>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  if (device >= 0 && device < kMaxDevices) done[device].store(1, std::memory_order_release);
+  return 0;
+}
+
+// K/V stages for the 64-row tile on this device (cached per device id; see the header comment).
+static int stages_for_device(int device, int* stages) {
+  static std::atomic<int> cache[kMaxDevices];
+  if (PW_PREFILL_KV_STAGES != 0) {
+    *stages = PW_PREFILL_KV_STAGES;
+    return 0;
+  }
+  if (device >= 0 && device < kMaxDevices) {
+    const int c = cache[device].load(std::memory_order_acquire);
+    if (c != 0) {
+      *stages = c;
+      return 0;
+    }
+  }
+  int optin = 0, per_sm = 0, reserved = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  int s = 1;
+  if (2LL * (smem_bytes<4, 1>() + reserved) > per_sm && optin >= smem_bytes<4, 2>()) s = 2;
+  if (device >= 0 && device < kMaxDevices) cache[device].store(s, std::memory_order_release);
+  *stages = s;
+  return 0;
+}
+
+template <int kWarps, int kStages>
+static int launch(const Params& p, int grid_tiles, int device, cudaStream_t stream) {
+  const int rc = ensure_smem<kWarps, kStages>(device);
+  if (rc != 0) return rc;
+  const dim3 grid(static_cast<unsigned>(grid_tiles), static_cast<unsigned>(p.num_kv_heads), 1);
+  pw_prefill_hd256_kernel<kWarps, kStages>
+      <<<grid, kWarps * 32, smem_bytes<kWarps, kStages>(), stream>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace pw_prefill
+
+extern "C" int pw_prefill_hd256_bf16(const void* q, void* out, float* lse, const void* pool, long long k_offset,
+                                     long long v_offset, long long page_stride, int page_size, int num_qo_heads,
+                                     int num_kv_heads, const int* page_indices, const int* page_indptr,
+                                     const int* last_page_len, const int* qo_indptr, const int* request_indices,
+                                     const int* qo_tile_indices, const int* plan_scalars, int grid_tiles,
+                                     int cta_tile_q, float sm_scale, int window_left, void* stream) {
+  using namespace pw_prefill;
+  if (q == nullptr || out == nullptr || pool == nullptr || page_indices == nullptr || page_indptr == nullptr ||
+      last_page_len == nullptr || qo_indptr == nullptr || request_indices == nullptr ||
+      qo_tile_indices == nullptr || plan_scalars == nullptr)
+    return PW_PREFILL_ERR_NULL_POINTER;
+  if (page_size < 1 || num_qo_heads < 1 || num_kv_heads < 1 || page_stride < 1 || grid_tiles < 0)
+    return PW_PREFILL_ERR_NONPOSITIVE_SIZE;
+  if (k_offset < 0 || v_offset < 0) return PW_PREFILL_ERR_NEGATIVE_OFFSET;
+  if (num_qo_heads % num_kv_heads != 0) return PW_PREFILL_ERR_HEAD_RATIO;
+  if (num_kv_heads > 65535 || num_qo_heads > (0x7fffffff / kHeadDim)) return PW_PREFILL_ERR_TOO_LARGE;
+  if (!(sm_scale > 0.f) || !isfinite(sm_scale)) return PW_PREFILL_ERR_BAD_SCALE;
+  if (window_left < -1) return PW_PREFILL_ERR_BAD_WINDOW;
+  if (((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(pool)) &
+       15u) != 0 ||
+      (reinterpret_cast<uintptr_t>(lse) & 3u) != 0 || ((k_offset | v_offset | page_stride) & 7) != 0)
+    return PW_PREFILL_ERR_MISALIGNED;
+  if (cta_tile_q != 16 && cta_tile_q != 64 && cta_tile_q != 128) return PW_PREFILL_ERR_UNSUPPORTED_TILE;
+  if (grid_tiles == 0) return PW_PREFILL_OK;  // nothing to launch
+
+  Params p;
+  p.q = static_cast<const __nv_bfloat16*>(q);
+  p.out = static_cast<__nv_bfloat16*>(out);
+  p.lse = lse;
+  p.pool = static_cast<const __nv_bfloat16*>(pool);
+  p.k_offset = k_offset;
+  p.v_offset = v_offset;
+  p.page_stride = page_stride;
+  p.page_indices = page_indices;
+  p.page_indptr = page_indptr;
+  p.last_page_len = last_page_len;
+  p.qo_indptr = qo_indptr;
+  p.request_indices = request_indices;
+  p.qo_tile_indices = qo_tile_indices;
+  p.plan_scalars = plan_scalars;
+  p.page_size = page_size;
+  p.num_qo_heads = num_qo_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.group = num_qo_heads / num_kv_heads;
+  p.window_left = window_left;
+  p.scale_log2 = sm_scale * 1.4426950408889634f;
+
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  switch (cta_tile_q) {
+    case 16:
+      return launch<1, 1>(p, grid_tiles, device, s);
+    case 64: {
+      int stages = 1;
+      const int rc = stages_for_device(device, &stages);
+      if (rc != 0) return rc;
+#if PW_PREFILL_KV_STAGES != 2
+      if (stages == 1) return launch<4, 1>(p, grid_tiles, device, s);
+#endif
+#if PW_PREFILL_KV_STAGES != 1
+      if (stages == 2) return launch<4, 2>(p, grid_tiles, device, s);
+#endif
+      return PW_PREFILL_ERR_SMEM_UNAVAILABLE;  // unreachable
+    }
+    default:  // 128
+      return launch<8, 1>(p, grid_tiles, device, s);
+  }
+}
+
+// Human-readable name of a status code returned by pw_prefill_hd256_bf16.
+extern "C" const char* pw_prefill_hd256_error_string(int code) {
+  switch (code) {
+    case PW_PREFILL_OK: return "ok";
+    case PW_PREFILL_ERR_NULL_POINTER: return "a required pointer is NULL";
+    case PW_PREFILL_ERR_NONPOSITIVE_SIZE:
+      return "page_size, num_qo_heads, num_kv_heads or page_stride < 1, or grid_tiles < 0";
+    case PW_PREFILL_ERR_HEAD_RATIO: return "num_qo_heads is not a multiple of num_kv_heads";
+    case PW_PREFILL_ERR_UNSUPPORTED_TILE: return "cta_tile_q is not 16, 64 or 128";
+    case PW_PREFILL_ERR_MISALIGNED:
+      return "q/out/pool not 16-byte aligned, lse not 4-byte aligned, or an offset/stride not a multiple of 8";
+    case PW_PREFILL_ERR_BAD_SCALE: return "sm_scale is not finite and > 0";
+    case PW_PREFILL_ERR_BAD_WINDOW: return "window_left < -1";
+    case PW_PREFILL_ERR_NEGATIVE_OFFSET: return "k_offset or v_offset < 0";
+    case PW_PREFILL_ERR_SMEM_UNAVAILABLE: return "the device cannot provide the shared memory this tile needs";
+    case PW_PREFILL_ERR_TOO_LARGE: return "num_kv_heads > 65535 or num_qo_heads * 256 past int32";
+    default:
+      return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown pagedwindow status";
+  }
+}

@@ -24,8 +24,8 @@ import torch
 
 from .errors import PagedWindowError, checked_i32
 
-SUPPORTED_CTA_TILE_Q = (16, 64)
-"""Query tiles (packed GQA rows per CTA) the head_dim-256 kernel is built for."""
+SUPPORTED_CTA_TILE_Q = (16, 64, 128)
+"""Query tiles (packed GQA rows per CTA) the head_dim-256 kernels are built for; the default rule uses 16 and 64."""
 
 _SEGMENTS = ("page_indices", "page_indptr", "last_page_len", "qo_indptr", "request_indices", "qo_tile_indices",
              "scalars")

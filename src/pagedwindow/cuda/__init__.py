@@ -16,7 +16,7 @@ from .build import BuildError
 PREFILL_HEAD_DIM = 256
 PREFILL_DTYPES = (torch.bfloat16,)
 APPEND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-KERNEL_CTA_TILE_Q = (16, 64)
+KERNEL_CTA_TILE_Q = (16, 64, 128)
 
 
 def unsupported(what: str, plan: PrefillPagedPlan, *tensors: torch.Tensor) -> str | None:

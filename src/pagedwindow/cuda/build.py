@@ -3,7 +3,8 @@
 One shared library holds every kernel. Its cache key hashes the sources, the nvcc flags, the target and nvcc's
 version, so any change rebuilds. Builds take a file lock, compile into a temporary directory and publish it with
 an atomic rename; the ptxas resource report is kept beside the library (``ptxas.txt``). The cache lives in
-``$PAGEDWINDOW_CACHE_DIR`` (default ``~/.cache/pagedwindow``); ``$PAGEDWINDOW_NVCC`` names the compiler.
+``$PAGEDWINDOW_CACHE_DIR`` (default ``~/.cache/pagedwindow``); ``$PAGEDWINDOW_NVCC`` names the compiler and
+``$PAGEDWINDOW_NVCC_FLAGS`` adds flags.
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from filelock import FileLock
 
 KERNELS_DIR = Path(os.environ.get("PAGEDWINDOW_KERNELS_DIR", Path(__file__).resolve().parents[3] / "kernels"))
 SOURCES = ("prefill_hd256.cu", "append_paged_kv.cu")
-COMMON_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", "-Xptxas=-v,--warn-on-spills")
+COMMON_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", "-Xptxas=-v,--warn-on-spills",
+                *os.environ.get("PAGEDWINDOW_NVCC_FLAGS", "").split())
+"""nvcc flags of every build; ``$PAGEDWINDOW_NVCC_FLAGS`` appends more (e.g. a kernel variant's -D for a benchmark);
+they are part of the cache key."""
 CI_TARGETS = ("sm_80", "sm_89", "sm_90a")
 
 

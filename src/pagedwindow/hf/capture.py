@@ -1,0 +1,173 @@
+"""Capture what HF hands its attention function, per layer: q (after q_norm and RoPE), k (after k_norm and RoPE),
+v (after v_norm), HF's attention output before o_proj, ``scaling`` and ``sliding_window``.
+
+How: a capturing attention function and its mask builder are registered under :data:`CAPTURE_IMPL`; during a
+capture the model runs under that name. The *driving* implementation ("eager" or "sdpa") computes the output the
+model continues with (so the trajectory is exactly HF's own under that implementation); each implementation in
+``compare`` is evaluated on the very same q/k/v with its own HF-built mask, and recorded next to it — that is the
+backend floor "on the same inputs". Each implementation gets the mask HF builds for it (``eager_mask`` /
+``sdpa_mask``), never a mask translated by us.
+
+The model is run without a KV cache (``use_cache=False``), so the k/v a layer receives are exactly the prompt's
+rows; the model's previous attention implementation is restored afterwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import PagedWindowError
+from ._compat import attention_function, attention_modules, mask_function, require_transformers
+
+CAPTURE_IMPL = "pagedwindow_capture"
+_registered = False
+_ACTIVE_IMPLS: dict = {}  # id(config) -> implementations of the capture running on that model
+
+
+@dataclass
+class LayerCall:
+    """One call of one layer's attention function. Tensors are detached copies in the model's dtype."""
+
+    layer_idx: int
+    layer_type: str
+    q: torch.Tensor  # [B, Hq, S, D]
+    k: torch.Tensor  # [B, Hkv, Skv, D]
+    v: torch.Tensor  # [B, Hkv, Skv, D]
+    outputs: dict  # impl -> [B, S, Hq, D], HF's attention output (before o_proj) under that impl, same q/k/v
+    scaling: float
+    sliding_window: int | None
+    position_ids: torch.Tensor | None  # [B or 1, S]
+    driver: str
+
+    @property
+    def out(self) -> torch.Tensor:
+        """The driving implementation's output (what the model continued with)."""
+        return self.outputs[self.driver]
+
+
+@dataclass
+class AttentionCapture:
+    """Every attention call of one forward, and the forward's logits."""
+
+    driver: str
+    compare: tuple
+    calls: list = field(default_factory=list)
+    logits: torch.Tensor | None = None  # [B, S, V]
+
+    def layer(self, layer_idx: int) -> LayerCall:
+        found = [c for c in self.calls if c.layer_idx == layer_idx]
+        if len(found) != 1:
+            raise PagedWindowError(f"capture holds {len(found)} calls for layer {layer_idx}, expected 1")
+        return found[0]
+
+    @property
+    def num_layers(self) -> int:
+        return len({c.layer_idx for c in self.calls})
+
+
+class _Masks:
+    """The masks HF builds for each implementation of one capture (one builder call per mask type)."""
+
+    def __init__(self, masks: dict):
+        self.masks = masks
+
+
+class _CaptureContext:
+    def __init__(self, driver: str, compare: tuple):
+        self.capture = AttentionCapture(driver=driver, compare=compare)
+        self.impls = (driver, *compare)
+
+
+def _capture_mask(**kwargs):
+    ctx_impls = _ACTIVE_IMPLS.get(id(kwargs.get("config")))
+    if ctx_impls is None:
+        raise PagedWindowError(f"{CAPTURE_IMPL} masks were requested outside capture_attention()")
+    masks = {}
+    for impl in ctx_impls:
+        masks[impl] = mask_function(impl)(**dict(kwargs))
+    return _Masks(masks)
+
+
+def _capture_attention(module, query, key, value, attention_mask, **kwargs):
+    ctx = getattr(module, "_pagedwindow_capture", None)
+    if ctx is None:
+        raise PagedWindowError(f"{CAPTURE_IMPL} attention was called outside capture_attention()")
+    if not isinstance(attention_mask, _Masks):
+        raise PagedWindowError(f"{CAPTURE_IMPL}: expected the capture masks, got {type(attention_mask).__name__}")
+    outputs = {}
+    for impl in ctx.impls:
+        out, _ = attention_function(module, impl)(module, query, key, value, attention_mask.masks[impl], **kwargs)
+        outputs[impl] = out.detach().clone()
+    layer_type = getattr(module, "layer_type", None) or module.config.layer_types[module.layer_idx]
+    pos = kwargs.get("position_ids")
+    ctx.capture.calls.append(LayerCall(
+        layer_idx=int(module.layer_idx), layer_type=layer_type,
+        q=query.detach().clone(), k=key.detach().clone(), v=value.detach().clone(), outputs=outputs,
+        scaling=float(kwargs["scaling"]) if kwargs.get("scaling") is not None else float(module.scaling),
+        sliding_window=kwargs.get("sliding_window"),
+        position_ids=pos.detach().clone() if isinstance(pos, torch.Tensor) else None,
+        driver=ctx.impls[0],
+    ))
+    return outputs[ctx.impls[0]], None
+
+
+def register_capture() -> str:
+    """Register the capturing attention function and its mask builder (idempotent); returns the name."""
+    global _registered
+    require_transformers()
+    if not _registered:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionInterface.register(CAPTURE_IMPL, _capture_attention)
+        AttentionMaskInterface.register(CAPTURE_IMPL, _capture_mask)
+        _registered = True
+    return CAPTURE_IMPL
+
+
+@torch.no_grad()
+def capture_attention(model, input_ids: torch.Tensor, *, driver: str = "eager", compare=("sdpa",),
+                      **forward_kwargs) -> AttentionCapture:
+    """Run ``model(input_ids)`` once under ``driver`` and capture every layer's attention inputs and outputs.
+
+    input_ids: ``[B, S]`` (use B = 1 per prompt: no padding). ``compare``: implementations evaluated on the same
+    inputs (the floor). Returns an :class:`AttentionCapture`; the model's attention implementation is restored.
+    """
+    register_capture()
+    compare = tuple(c for c in compare if c != driver)
+    for impl in (driver, *compare):
+        if impl not in ("eager", "sdpa"):
+            raise PagedWindowError(f"capture_attention: implementation {impl!r} is not 'eager' or 'sdpa'")
+    ctx = _CaptureContext(driver, compare)
+    modules = attention_modules(model)
+    previous = model.config._attn_implementation
+    config = model.config
+    try:
+        for m in modules:
+            m._pagedwindow_capture = ctx
+        _ACTIVE_IMPLS[id(config)] = ctx.impls
+        model.set_attn_implementation(CAPTURE_IMPL)
+        out = model(input_ids=input_ids, use_cache=False, **forward_kwargs)
+    finally:
+        model.set_attn_implementation(previous)
+        for m in modules:
+            if hasattr(m, "_pagedwindow_capture"):
+                del m._pagedwindow_capture
+        _ACTIVE_IMPLS.pop(id(config), None)
+    ctx.capture.logits = out.logits.detach().clone()
+    if ctx.capture.num_layers != len(modules) or len(ctx.capture.calls) != len(modules):
+        raise PagedWindowError(f"capture saw {len(ctx.capture.calls)} attention calls for {len(modules)} layers")
+    return ctx.capture
+
+
+@torch.no_grad()
+def forward_logits(model, input_ids: torch.Tensor, *, impl: str, **forward_kwargs) -> torch.Tensor:
+    """Logits of one plain forward under HF implementation ``impl`` (restores the previous one)."""
+    previous = model.config._attn_implementation
+    try:
+        model.set_attn_implementation(impl)
+        return model(input_ids=input_ids, use_cache=False, **forward_kwargs).logits.detach().clone()
+    finally:
+        model.set_attn_implementation(previous)

@@ -1,0 +1,267 @@
+"""Make an HF Gemma model run every attention layer through pagedwindow: ``use_pagedwindow(model)`` /
+``restore(model)`` (or the ``pagedwindow_attention(model)`` context manager).
+
+Registration: the attention function :func:`paged_attention_forward` under :data:`ATTN_IMPL` with
+``transformers.AttentionInterface.register``, and a mask builder for the same name with
+``AttentionMaskInterface.register`` (under a custom name without one, HF passes ``attention_mask=None``). Our mask
+builder does not build a mask at all: it returns :class:`PagedRows`, which of the step's query rows are real tokens
+(the last ``q_len`` columns of HF's 2D padding mask, or ``None`` when there is no padding). Visibility (causal and
+window) is decided by pagedwindow from positions, not by a dense mask.
+
+Per forward step (one call of the decoder stack; a forward pre-hook marks it), the first layer's call decides the
+step: per request, the real rows and their positions. Positions come from the paged state (what each request
+already holds); HF's ``position_ids`` are cross-checked against them (a mismatch raises ``PagedWindowError``). A
+step whose every request starts at position 0 is a new sequence: the state is reset. Then every layer appends its
+new K/V into the paged pool and attends through a plan (shuffled pages; ``sm_scale`` from HF's ``scaling``;
+``window_left`` from HF's ``sliding_window`` through ``pw.window_left_from_sliding_window``; full layers -1).
+
+HF's own KV cache — the choice made here: the new K/V are always taken as the **last ``q_len`` rows** of the
+key/value HF hands us. Without an HF cache (``use_cache=False``) those are all the rows; with one (``generate``'s
+default ``DynamicCache``), HF has already appended them to its cache and hands us ``cache + new`` (on sliding
+layers only the last W rows of it) — we never read HF's cached rows, so nothing is fed twice and HF's truncation
+of sliding layers cannot shift our positions. HF's cache is then dead weight (memory only); run with
+``use_cache=False`` and explicit ``position_ids`` to avoid it (``decode_oracle.step_logits`` does). Static /
+compileable caches (whose key tensor does not end with the new rows) are refused by the pre-hook, and so are
+models whose layers share K/V (``num_kv_shared_layers > 0``).
+
+Padding: a batch of prompts of different lengths may be padded anywhere (left padding, as ``generate`` does, or
+mid-sequence pads in chunked steps): pad rows are neither appended nor attended (their output rows are zero), so
+each request's window counts its own tokens only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from .. import PagedWindowError, window_left_from_sliding_window
+from ._compat import attention_geometry, attention_modules, decoder, require_transformers
+from .paged import PagedKvState
+
+ATTN_IMPL = "pagedwindow"
+_registered = False
+
+
+@dataclass(frozen=True)
+class PagedRows:
+    """What our mask builder hands the attention function: which of the step's query rows are real tokens.
+
+    valid: bool ``[B, q_len]`` or ``None`` (every row real).
+    """
+
+    valid: torch.Tensor | None
+
+
+def paged_mask(*, batch_size=None, q_length=None, attention_mask=None, **_ignored) -> PagedRows:
+    """Mask builder registered for :data:`ATTN_IMPL`: returns :class:`PagedRows` from HF's 2D padding mask."""
+    if attention_mask is None:
+        return PagedRows(None)
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+        raise PagedWindowError(
+            f"{ATTN_IMPL}: expected HF's 2D padding mask, got {type(attention_mask).__name__} "
+            f"{tuple(getattr(attention_mask, 'shape', ()))}")
+    if q_length is None or attention_mask.shape[1] < q_length:
+        raise PagedWindowError(f"{ATTN_IMPL}: 2D mask {tuple(attention_mask.shape)} shorter than q_len {q_length}")
+    valid = attention_mask[:, attention_mask.shape[1] - q_length:].to(torch.bool)
+    return PagedRows(None if bool(valid.all()) else valid)
+
+
+def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
+                            *, scaling=None, sliding_window=None, dropout=0.0, softcap=None, position_ids=None,
+                            **kwargs):
+    """HF attention-interface function: ``query [B, Hq, S, D]``, ``key/value [B, Hkv, Skv >= S, D]`` ->
+    ``([B, S, Hq, D], None)``. Only the last S rows of key/value are used (the new tokens)."""
+    session = getattr(module, "_pagedwindow_session", None)
+    if session is None:
+        raise PagedWindowError(f"{ATTN_IMPL} attention called on a model without a session: use_pagedwindow(model)")
+    if dropout:
+        raise PagedWindowError(f"{ATTN_IMPL}: attention dropout {dropout} is not supported (eval mode only)")
+    if softcap is not None:
+        raise PagedWindowError(f"{ATTN_IMPL}: attention logit softcap {softcap} is not supported")
+    if not getattr(module, "is_causal", True):
+        raise PagedWindowError(f"{ATTN_IMPL}: bidirectional attention is not supported")
+    if scaling is None:
+        raise PagedWindowError(f"{ATTN_IMPL}: HF passed no scaling; sm_scale must be explicit")
+    if attention_mask is not None and not isinstance(attention_mask, PagedRows):
+        raise PagedWindowError(
+            f"{ATTN_IMPL}: attention_mask is a {type(attention_mask).__name__}, not the PagedRows our mask builder "
+            "returns (a mask prepared for another implementation?)")
+    valid = attention_mask.valid if attention_mask is not None else None
+    out = session.attend(int(module.layer_idx), query, key, value, valid=valid, position_ids=position_ids,
+                         sm_scale=float(scaling), sliding_window=sliding_window)
+    return out, None
+
+
+def register() -> str:
+    """Register the attention function and its mask builder under :data:`ATTN_IMPL` (idempotent)."""
+    global _registered
+    require_transformers()
+    if not _registered:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionInterface.register(ATTN_IMPL, paged_attention_forward)
+        AttentionMaskInterface.register(ATTN_IMPL, paged_mask)
+        _registered = True
+    return ATTN_IMPL
+
+
+class PagedWindowSession:
+    """The paged state of one model under :func:`use_pagedwindow`; persists across forward / generate steps."""
+
+    def __init__(self, model, *, backend: str, page_size: int, seed: int, initial_pages: int, poison: bool):
+        self.model = model
+        self.geometry = attention_geometry(model)
+        self.state = PagedKvState([(g.num_kv_heads, g.head_dim) for g in self.geometry], page_size=page_size,
+                                  backend=backend, seed=seed, initial_pages=initial_pages, poison=poison)
+        self.backend = backend
+        self.previous_impl = model.config._attn_implementation
+        self.forward_steps = 0
+        self.resets = 0
+        self._step_pending = False
+        self._rows = None  # per request: index tensor of the real rows of the current step
+        self._hook = None
+
+    # -- step boundaries ---------------------------------------------------------------------------------------
+    def _pre_forward(self, module, args, kwargs):
+        for name in ("cache", "past_key_values"):
+            cache = kwargs.get(name)
+            if cache is not None and getattr(cache, "is_compileable", False):
+                raise PagedWindowError(
+                    f"{ATTN_IMPL}: {type(cache).__name__} is a static/compileable cache; its key tensor does not "
+                    "end with the new rows. Use the default DynamicCache or use_cache=False")
+        self._step_pending = True
+        self.forward_steps += 1
+
+    def reset(self) -> None:
+        """Forget every request (the next step must start at position 0)."""
+        self.state.step = None
+        self.state.batch_size = 0
+        self._step_pending = True
+
+    # -- the attention call ------------------------------------------------------------------------------------
+    def _begin_step(self, query: torch.Tensor, valid, position_ids) -> None:
+        bsz, _, s, _ = query.shape
+        if valid is None:
+            rows = [torch.arange(s, device=query.device) for _ in range(bsz)]
+        else:
+            if tuple(valid.shape) != (bsz, s):
+                raise PagedWindowError(f"{ATTN_IMPL}: padding rows {tuple(valid.shape)} for a query of {bsz}x{s}")
+            rows = [torch.nonzero(valid[b], as_tuple=False).flatten() for b in range(bsz)]
+        seq = [int(r.numel()) for r in rows]
+        positions = None
+        if position_ids is not None:
+            pos = position_ids.expand(bsz, -1) if position_ids.shape[0] == 1 else position_ids
+            if tuple(pos.shape) != (bsz, s):
+                raise PagedWindowError(f"{ATTN_IMPL}: position_ids {tuple(position_ids.shape)} for {bsz}x{s} queries")
+            positions = [pos[b, rows[b]].tolist() for b in range(bsz)]
+        fresh = self.state.batch_size != bsz or self.state.step is None
+        # a new sequence: every request has rows and all start at 0 (a request merely waiting for its first chunk
+        # has no rows in this step and keeps the others' state)
+        starts_at_zero = positions is not None and all(p and p[0] == 0 for p in positions)
+        if fresh or starts_at_zero:
+            if not fresh:
+                self.resets += 1
+            self.state.reset(bsz)
+        if positions is not None:
+            for b, p in enumerate(positions):
+                want = list(range(self.state.kv_lens[b], self.state.kv_lens[b] + len(p)))
+                if p != want:
+                    raise PagedWindowError(
+                        f"{ATTN_IMPL}: request {b} holds {self.state.kv_lens[b]} tokens, so its new rows sit at "
+                        f"positions {want[:3]}..., but HF passed position_ids {p[:3]}... (a skipped or repeated "
+                        "step? with padding, pass position_ids as generate derives them: cumsum(mask) - 1)")
+        self.state.begin_step(seq)
+        self._rows = rows
+        self._step_pending = False
+
+    def attend(self, layer: int, query, key, value, *, valid, position_ids, sm_scale: float, sliding_window):
+        bsz, hq, s, d = query.shape
+        if key.shape[2] < s or value.shape[2] < s:
+            raise PagedWindowError(f"{ATTN_IMPL}: layer {layer} got {key.shape[2]} keys for {s} new rows")
+        if self._step_pending or self.state.step is None:
+            self._begin_step(query, valid, position_ids)
+        elif self._rows is not None and (len(self._rows) != bsz or
+                                         sum(int(r.numel()) for r in self._rows) != self.state.step.total_tokens):
+            raise PagedWindowError(f"{ATTN_IMPL}: layer {layer} query batch differs from the step's")
+        new_k = key[:, :, key.shape[2] - s:]
+        new_v = value[:, :, value.shape[2] - s:]
+        step = self.state.step
+        act = step.active
+        q = torch.cat([query[b].transpose(0, 1)[self._rows[b]] for b in act]) if act else query.new_empty(0, hq, d)
+        k = torch.cat([new_k[b].transpose(0, 1)[self._rows[b]] for b in act]) if act else \
+            key.new_empty(0, key.shape[1], d)
+        v = torch.cat([new_v[b].transpose(0, 1)[self._rows[b]] for b in act]) if act else \
+            value.new_empty(0, value.shape[1], d)
+        out_rows = self.state.attend(layer, q, k, v, sm_scale=sm_scale,
+                                     window_left=window_left_from_sliding_window(sliding_window))
+        out = query.new_zeros(bsz, s, hq, d)
+        at = 0
+        for b in act:
+            n = step.seq[b]
+            out[b, self._rows[b]] = out_rows[at: at + n].to(out.dtype)
+            at += n
+        return out
+
+    def describe(self) -> dict:
+        return {"backend": self.backend, "forward_steps": self.forward_steps, "resets": self.resets,
+                "state": self.state.describe()}
+
+
+def use_pagedwindow(model, *, backend: str = "auto", page_size: int = 16, seed: int = 0, initial_pages: int = 64,
+                    poison: bool = True) -> PagedWindowSession:
+    """Make ``model`` run every attention layer through pagedwindow; returns the session (its paged state).
+
+    backend: "reference" | "cuda" | "auto" (pagedwindow's). page_size: tokens per page. seed: page shuffling.
+    Undo with :func:`restore`. Calling it again on a model already using pagedwindow is an error.
+    """
+    register()
+    if getattr(model, "_pagedwindow_session", None) is not None:
+        raise PagedWindowError("use_pagedwindow: this model already uses pagedwindow (restore(model) first)")
+    if getattr(model.config, "num_kv_shared_layers", 0):
+        raise PagedWindowError("use_pagedwindow: models with num_kv_shared_layers > 0 are not supported")
+    if model.training:
+        raise PagedWindowError("use_pagedwindow: put the model in eval mode first")
+    session = PagedWindowSession(model, backend=backend, page_size=page_size, seed=seed,
+                                 initial_pages=initial_pages, poison=poison)
+    modules = attention_modules(model)
+    for m in modules:
+        m._pagedwindow_session = session
+    try:
+        session._hook = decoder(model).register_forward_pre_hook(session._pre_forward, with_kwargs=True)
+        model.set_attn_implementation(ATTN_IMPL)
+    except Exception:
+        if session._hook is not None:
+            session._hook.remove()
+        for m in modules:
+            del m._pagedwindow_session
+        raise
+    model._pagedwindow_session = session
+    return session
+
+
+def restore(model) -> None:
+    """Undo :func:`use_pagedwindow`: the previous attention implementation, no hook, no session."""
+    session = getattr(model, "_pagedwindow_session", None)
+    if session is None:
+        raise PagedWindowError("restore: this model does not use pagedwindow")
+    model.set_attn_implementation(session.previous_impl)
+    if session._hook is not None:
+        session._hook.remove()
+    for m in attention_modules(model):
+        if hasattr(m, "_pagedwindow_session"):
+            del m._pagedwindow_session
+    del model._pagedwindow_session
+
+
+@contextlib.contextmanager
+def pagedwindow_attention(model, **kwargs):
+    """``with pagedwindow_attention(model, backend=...) as session:`` — :func:`use_pagedwindow` then
+    :func:`restore`, even on error."""
+    session = use_pagedwindow(model, **kwargs)
+    try:
+        yield session
+    finally:
+        restore(model)

@@ -1,0 +1,175 @@
+"""Tiny random Gemma 4 / Gemma 3 causal LMs built from configs (never from downloaded weights).
+
+Seeded and reproducible: the same ``seed`` gives bit-identical weights in every process (the global RNG is forked,
+so building a model does not disturb the caller's random state). Random init leaves every RMSNorm at identity and
+Gemma 4's ``layer_scalar`` at 1, which would hide wiring bugs (a q/k norm applied twice, a missing scalar), so
+:func:`randomize_norms` draws them. Models come back in eval mode, in ``dtype`` (built in fp32, then cast, so an
+fp32 and a bf16 model of one seed share weights up to bf16 rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import PagedWindowError
+from ._compat import attention_geometry, require_transformers
+
+# Multipliers drawn for the RMSNorm weights: hidden-state norms in HIDDEN_NORM_RANGE; the q/k norms are drawn
+# around a centre chosen from the layer's own scale and head_dim so that the attention logits (sm_scale * q.k,
+# q and k RMS-normalised) have a standard deviation near ATTN_LOGIT_STD whatever the family: Gemma 4 (sm_scale 1)
+# gets small multipliers (~0.3), Gemma 3 (sm_scale 1/16) larger ones (~1.2). Soft but structured attention: every
+# key in the window carries weight, so a window or position bug moves the output well above the bf16 floor
+# (one-hot attention would hide an edge key), and HF's bf16 eager rounding of the logits stays small.
+HIDDEN_NORM_RANGE = (0.5, 1.5)
+QK_NORM_SPREAD = (0.5, 1.5)  # times the centre
+ATTN_LOGIT_STD = 1.5
+LAYER_SCALAR_RANGE = (0.5, 1.5)
+
+
+def default_layer_types(num_layers: int) -> list[str]:
+    """A mix of sliding and full layers: every third layer full, and the last one full (Gemma 4 requires it)."""
+    if num_layers < 1:
+        raise PagedWindowError(f"num_layers = {num_layers} must be >= 1")
+    types = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(num_layers)]
+    types[-1] = "full_attention"
+    return types
+
+
+def _norm_uses_offset(norm: torch.nn.Module) -> bool:
+    """Whether an RMSNorm scales by ``1 + weight`` (Gemma 3) rather than ``weight`` (Gemma 4): probe it."""
+    with torch.no_grad():
+        saved = norm.weight.detach().clone()
+        norm.weight.zero_()
+        probe = norm(torch.ones(1, norm.weight.shape[0], dtype=norm.weight.dtype, device=norm.weight.device))
+        norm.weight.copy_(saved)
+    return bool(probe.abs().max() > 0.5)
+
+
+def _uniform(gen: torch.Generator, shape, lo: float, hi: float) -> torch.Tensor:
+    return lo + (hi - lo) * torch.rand(shape, generator=gen, dtype=torch.float32)
+
+
+def randomize_norms(model, seed: int) -> None:
+    """Draw every RMSNorm weight and every ``layer_scalar`` (in place, reproducibly from ``seed``).
+
+    A norm's effective multiplier is drawn from :data:`HIDDEN_NORM_RANGE` (q/k norms: see
+    :data:`ATTN_LOGIT_STD`), whatever the family's convention (``w`` or ``1 + w``); norms without a weight
+    (Gemma 4's ``v_norm``) stay as they are.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    modules = dict(model.named_modules())
+    with torch.no_grad():
+        for name, module in sorted(modules.items(), key=lambda item: item[0]):
+            if type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None),
+                                                                         torch.nn.Parameter):
+                parent, _, last = name.rpartition(".")
+                if last in ("q_norm", "k_norm"):
+                    attn = modules[parent]
+                    # std(scale * q.k) ~ scale * sqrt(head_dim) * m**2 for unit-RMS q, k scaled by m
+                    centre = (ATTN_LOGIT_STD / (float(attn.scaling) * float(attn.head_dim) ** 0.5)) ** 0.5
+                    lo, hi = centre * QK_NORM_SPREAD[0], centre * QK_NORM_SPREAD[1]
+                else:
+                    lo, hi = HIDDEN_NORM_RANGE
+                mult = _uniform(gen, module.weight.shape, lo, hi)
+                value = mult - 1.0 if _norm_uses_offset(module) else mult
+                module.weight.copy_(value.to(module.weight.dtype))
+            scalar = getattr(module, "layer_scalar", None)
+            if isinstance(scalar, torch.Tensor):
+                scalar.copy_(_uniform(gen, scalar.shape, *LAYER_SCALAR_RANGE).to(scalar.dtype))
+
+
+def _finish(model, *, seed: int, dtype: torch.dtype, device, expect: dict):
+    randomize_norms(model, seed + 1)
+    model = model.to(device=device, dtype=dtype).eval()
+    for g in attention_geometry(model):
+        got = {"num_qo_heads": g.num_qo_heads, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim}
+        want = dict(expect)
+        if got != want:
+            raise PagedWindowError(
+                f"tiny model layer {g.layer_idx} ({g.layer_type}) was built with {got}, expected {want}: "
+                "this transformers version reads the config keys differently"
+            )
+    return model
+
+
+def _build(config_cls, model_cls, seed: int, kwargs: dict):
+    config = config_cls(**kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config)
+    return model
+
+
+def tiny_gemma4(seed: int = 0, *, sliding_window: int | None = 16, num_layers: int = 4,
+                layer_types: list[str] | None = None, dtype: torch.dtype = torch.float32, device="cpu",
+                attn_implementation: str = "eager", vocab_size: int = 512, hidden_size: int = 256,
+                intermediate_size: int = 512, num_attention_heads: int = 4, num_key_value_heads: int = 2,
+                head_dim: int = 256, attention_k_eq_v: bool = True):
+    """A random ``Gemma4ForCausalLM`` (text only, no per-layer inputs), every layer at ``head_dim``.
+
+    Full layers use ``global_head_dim = head_dim`` and the same KV heads as sliding layers; with
+    ``attention_k_eq_v`` the full layers reuse the key projection as value (V = v_norm(k_proj(x)), K = k_norm(...)
+    + RoPE, so K != V after the norms). ``sliding_window=None`` makes the sliding layers' W huge (no effective
+    window) — kept for experiments; the config field itself must be an int in Gemma 4.
+    """
+    require_transformers()
+    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+
+    types = list(layer_types) if layer_types is not None else default_layer_types(num_layers)
+    if len(types) != num_layers:
+        raise PagedWindowError(f"layer_types has {len(types)} entries for num_layers = {num_layers}")
+    kwargs = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads, head_dim=head_dim, global_head_dim=head_dim,
+        sliding_window=sliding_window if sliding_window is not None else 1 << 30, layer_types=types,
+        hidden_size_per_layer_input=0, attention_k_eq_v=attention_k_eq_v, attn_implementation=attn_implementation,
+        max_position_embeddings=4096,
+    )
+    model = _build(Gemma4TextConfig, Gemma4ForCausalLM, seed, kwargs)
+    return _finish(model, seed=seed, dtype=dtype, device=device,
+                   expect={"num_qo_heads": num_attention_heads, "num_kv_heads": num_key_value_heads,
+                           "head_dim": head_dim})
+
+
+def tiny_gemma3(seed: int = 0, *, sliding_window: int = 16, num_layers: int = 4,
+                layer_types: list[str] | None = None, dtype: torch.dtype = torch.float32, device="cpu",
+                attn_implementation: str = "eager", vocab_size: int = 512, hidden_size: int = 256,
+                intermediate_size: int = 512, num_attention_heads: int = 4, num_key_value_heads: int = 2,
+                head_dim: int = 256, query_pre_attn_scalar: int = 256):
+    """A random ``Gemma3ForCausalLM``; its attention scale is ``query_pre_attn_scalar ** -0.5`` (1/16 here)."""
+    require_transformers()
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    types = list(layer_types) if layer_types is not None else default_layer_types(num_layers)
+    if len(types) != num_layers:
+        raise PagedWindowError(f"layer_types has {len(types)} entries for num_layers = {num_layers}")
+    kwargs = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads, head_dim=head_dim, sliding_window=sliding_window,
+        layer_types=types, query_pre_attn_scalar=query_pre_attn_scalar, attn_implementation=attn_implementation,
+        max_position_embeddings=4096,
+    )
+    model = _build(Gemma3TextConfig, Gemma3ForCausalLM, seed, kwargs)
+    return _finish(model, seed=seed, dtype=dtype, device=device,
+                   expect={"num_qo_heads": num_attention_heads, "num_kv_heads": num_key_value_heads,
+                           "head_dim": head_dim})
+
+
+TINY_BUILDERS = {"gemma4": tiny_gemma4, "gemma3": tiny_gemma3}
+
+
+def tiny_model(family: str, seed: int = 0, **kwargs):
+    """``tiny_gemma4`` or ``tiny_gemma3`` by name ("gemma4" | "gemma3")."""
+    try:
+        builder = TINY_BUILDERS[family]
+    except KeyError:
+        raise PagedWindowError(f"unknown tiny model family {family!r}; one of {sorted(TINY_BUILDERS)}") from None
+    return builder(seed, **kwargs)
+
+
+def random_prompts(lengths, *, vocab_size: int = 512, seed: int = 0) -> list[list[int]]:
+    """Reproducible random token prompts (ids 3..vocab-1: never pad/eos/bos)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (int(n),), generator=gen).tolist() for n in lengths]

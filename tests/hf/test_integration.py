@@ -1,0 +1,203 @@
+"""use_pagedwindow / restore: an HF Gemma model running every attention layer through pagedwindow."""
+
+import pytest
+import torch
+
+import pagedwindow as pw
+import pagedwindow.hf.integration as integration
+from pagedwindow.hf._compat import cache_kwarg, new_dynamic_cache
+from pagedwindow.hf.capture import forward_logits
+from pagedwindow.hf.decode_oracle import step_logits
+from pagedwindow.hf.integration import ATTN_IMPL, PagedRows, pagedwindow_attention, restore, use_pagedwindow
+from pagedwindow.hf.tolerance import error_stats, gate
+
+from .conftest import BF16_BACKENDS, FAMILIES, device_of, tiny
+
+
+def _ids(n, seed=0, device="cpu"):
+    return torch.randint(3, 512, (1, n), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def test_registers_attention_and_mask_under_one_name():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    integration.register()
+    assert ATTN_IMPL in AttentionInterface._global_mapping
+    assert ATTN_IMPL in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+
+
+def test_our_attention_receives_our_mask_object_not_none(monkeypatch):
+    seen = []
+    original = integration.PagedWindowSession.attend
+
+    def spy(self, layer, query, key, value, *, valid, position_ids, sm_scale, sliding_window):
+        seen.append((layer, valid, sm_scale, sliding_window))
+        return original(self, layer, query, key, value, valid=valid, position_ids=position_ids, sm_scale=sm_scale,
+                        sliding_window=sliding_window)
+
+    masks = []
+    original_mask = integration.paged_mask
+
+    def mask_spy(**kwargs):
+        masks.append(original_mask(**kwargs))
+        return masks[-1]
+
+    monkeypatch.setattr(integration.PagedWindowSession, "attend", spy)
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, ATTN_IMPL, mask_spy)
+    model = tiny("gemma4")
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, :4] = 0  # left padding in request 1
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate derives them
+    with pagedwindow_attention(model, backend="reference"), torch.no_grad():
+        model(input_ids=torch.randint(3, 512, (2, 9)), attention_mask=mask, position_ids=position_ids,
+              use_cache=False)
+        with pytest.raises(pw.PagedWindowError, match="position_ids"):
+            # without position_ids HF numbers the padded request's tokens 4..8: refused, not silently shifted
+            model(input_ids=torch.randint(3, 512, (2, 9)), attention_mask=mask, use_cache=False)
+    assert masks and all(isinstance(m, PagedRows) for m in masks)
+    assert [s[0] for s in seen[:4]] == [0, 1, 2, 3]
+    assert all(s[2] == 1.0 for s in seen) and [s[3] for s in seen[:4]] == [16, 16, None, None]
+    valid = seen[0][1]
+    assert valid is not None and valid[1].tolist() == [False] * 4 + [True] * 5 and bool(valid[0].all())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_forward_matches_hf_eager_fp32_and_restore_undoes_it(family):
+    model = tiny(family)
+    ids = _ids(45, seed=1)
+    before = forward_logits(model, ids, impl="eager")
+    session = use_pagedwindow(model, backend="reference", page_size=5)
+    assert model.config._attn_implementation == ATTN_IMPL
+    with torch.no_grad():
+        ours = model(input_ids=ids, use_cache=False).logits
+    assert error_stats(ours, before).max_rel <= 1e-4
+    assert session.state.kv_lens == [45] and session.forward_steps == 1
+    restore(model)
+    assert model.config._attn_implementation == "eager"
+    assert getattr(model, "_pagedwindow_session", None) is None
+    assert not any(hasattr(layer.self_attn, "_pagedwindow_session") for layer in model.model.layers)
+    assert not model.model._forward_pre_hooks
+    assert torch.equal(forward_logits(model, ids, impl="eager"), before)
+
+
+@pytest.mark.parametrize("backend", BF16_BACKENDS)
+def test_forward_bf16_within_hf_floor(backend):
+    model = tiny("gemma4", torch.bfloat16, device_of(backend))
+    ids = _ids(40, seed=2, device=device_of(backend))
+    eager = forward_logits(model, ids, impl="eager")
+    sdpa = forward_logits(model, ids, impl="sdpa")
+    with pagedwindow_attention(model, backend=backend):
+        with torch.no_grad():
+            ours = model(input_ids=ids, use_cache=False).logits
+    result = gate(error_stats(ours, eager), error_stats(sdpa, eager), torch.bfloat16)
+    assert result.passed, result
+
+
+def test_context_manager_restores_on_error():
+    model = tiny("gemma3")
+    with pytest.raises(RuntimeError, match="boom"):
+        with pagedwindow_attention(model, backend="reference"):
+            raise RuntimeError("boom")
+    assert model.config._attn_implementation == "eager" and getattr(model, "_pagedwindow_session", None) is None
+
+
+def test_state_persists_across_steps_chunked_equals_one_shot():
+    model = tiny("gemma4")
+    ids = _ids(37, seed=3)
+    one_shot = forward_logits(model, ids, impl="eager")
+    with pagedwindow_attention(model, backend="reference", page_size=3) as session, torch.no_grad():
+        first = model(input_ids=ids[:, :20], use_cache=False).logits
+        second = model(input_ids=ids[:, 20:], position_ids=torch.arange(20, 37)[None], use_cache=False).logits
+        assert session.state.kv_lens == [37] and session.state.step.start == (20,)
+        third = model(input_ids=ids[:, :1], position_ids=torch.tensor([[37]]), use_cache=False).logits
+        assert session.state.kv_lens == [38]
+    assert error_stats(torch.cat([first, second], dim=1), one_shot).max_rel <= 1e-4
+    with torch.no_grad():
+        ref = model(input_ids=torch.cat([ids, ids[:, :1]], dim=1), use_cache=False).logits[:, -1:]
+    assert error_stats(third, ref).max_rel <= 1e-4
+
+
+def test_hf_cache_on_takes_only_the_new_rows():
+    """With HF's DynamicCache on, HF hands us cache + new keys (sliding layers: only the last W); we use only the
+    new rows, positions from our state: same logits as without HF's cache."""
+    model = tiny("gemma4")
+    ids = _ids(30, seed=4)
+    outs = {}
+    for use_cache in (False, True):
+        with pagedwindow_attention(model, backend="reference"), torch.no_grad():
+            kwargs = {cache_kwarg(model): new_dynamic_cache(model)} if use_cache else {}
+            steps = [model(input_ids=ids[:, :21], use_cache=use_cache, **kwargs).logits[:, -1]]
+            for t in range(21, 30):
+                steps.append(model(input_ids=ids[:, t:t + 1], position_ids=torch.tensor([[t]]), use_cache=use_cache,
+                                   **kwargs).logits[:, -1])
+        outs[use_cache] = torch.stack(steps)
+    assert error_stats(outs[True], outs[False]).max_abs == 0.0
+
+
+def test_skipped_step_is_refused():
+    model = tiny("gemma4")
+    ids = _ids(10, seed=5)
+    with pagedwindow_attention(model, backend="reference"), torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+        with pytest.raises(pw.PagedWindowError, match="position_ids"):
+            model(input_ids=ids[:, :1], position_ids=torch.tensor([[12]]), use_cache=False)
+
+
+def test_new_sequence_resets_the_state():
+    model = tiny("gemma3")
+    ids = _ids(12, seed=6)
+    with pagedwindow_attention(model, backend="reference") as session:
+        a = model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+        b = model.generate(ids, max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert session.resets == 1 and session.state.kv_lens == [16]
+    assert torch.equal(a, b)
+
+
+def test_static_cache_is_refused():
+    from transformers import StaticCache
+
+    model = tiny("gemma4")
+    with pagedwindow_attention(model, backend="reference"), torch.no_grad():
+        cache = StaticCache(config=model.config, max_cache_len=32)
+        with pytest.raises(pw.PagedWindowError, match="static"):
+            model(input_ids=_ids(4), use_cache=True, **{cache_kwarg(model): cache})
+
+
+def test_use_twice_and_restore_twice_are_errors():
+    model = tiny("gemma4")
+    use_pagedwindow(model, backend="reference")
+    try:
+        with pytest.raises(pw.PagedWindowError, match="already"):
+            use_pagedwindow(model)
+    finally:
+        restore(model)
+    with pytest.raises(pw.PagedWindowError, match="does not use"):
+        restore(model)
+
+
+def test_ragged_batch_with_mid_sequence_pads_matches_each_prompt_alone():
+    """Our path drops pads (left or mid-sequence): each request sees only its own tokens."""
+    model = tiny("gemma4")
+    prompts = [_ids(n, seed=10 + n)[0].tolist() for n in (6, 29, 17)]
+    continuation = [[5, 6, 7]] * 3
+    with pagedwindow_attention(model, backend="reference", page_size=5):
+        _, batched = step_logits(model, prompts, continuations=continuation,
+                                 prefill_chunks=((6,), (10, 19), (3, 4, 10)))
+    for i, p in enumerate(prompts):
+        with pagedwindow_attention(model, backend="reference"):
+            _, alone = step_logits(model, [p], continuations=[continuation[i]])
+        assert error_stats(batched[i], alone[0]).max_rel <= 1e-4
+
+
+def test_kv_shared_models_are_refused():
+    from pagedwindow.hf.models import tiny_gemma4
+
+    try:
+        model = tiny_gemma4(0, num_layers=4, layer_types=["sliding_attention", "full_attention"] * 2)
+        model.config.num_kv_shared_layers = 2
+    except Exception as exc:  # pragma: no cover - config refuses the edit
+        pytest.fail(f"could not build the model: {exc}")
+    with pytest.raises(pw.PagedWindowError, match="num_kv_shared_layers"):
+        use_pagedwindow(model)

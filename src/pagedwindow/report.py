@@ -1,0 +1,364 @@
+"""``pagedwindow report``: run the notebooks through papermill with a parameter set and render an HTML report.
+
+Parameter sets live in ``notebooks/params/<name>.yaml`` (or any YAML path). Format (notebooks/README.md):
+a top-level key naming a notebook (its file stem, e.g. ``01_window_prefill_vs_hf``) holds that notebook's
+parameters; every other top-level key is shared and goes to each notebook that declares a parameter of that name.
+A notebook's section may hold ``variants: {label: {overrides}}``: the notebook then runs once per variant (named
+``<notebook>-<label>``), each with the section's parameters plus the variant's overrides. A key that no notebook
+declares is an error (a typo must not silently fall back to a default). ``out_dir`` is always set by the report.
+
+Layout of a report directory ``reports/<name>/``:
+``index.html`` (links, a table of each run's headline metrics from its ``metrics.json``, the parameter set),
+``<run>.html`` (the executed notebook without input cells), ``<run>/`` (the executed ``.ipynb``, ``metrics.json``,
+CSV and PNG artifacts). Nothing is written into ``notebooks/``.
+
+Exit code of :func:`run_report`: 0 when every run passed its gate; 1 when a gate failed, a notebook raised or
+wrote no ``metrics.json`` (each named on stderr); 2 for a usage error (unknown parameter set, notebook or key).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import html
+import importlib.util
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .viz.paths import REPO_ENV  # set for the kernels: the repository the notebooks came from
+
+NOTEBOOKS_ENV = "PAGEDWINDOW_NOTEBOOKS"  # overrides where the notebooks (and params/) are found
+INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
+VARIANTS_KEY = "variants"
+EXIT_OK, EXIT_GATE_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+class ReportUsageError(Exception):
+    """A parameter set, notebook name or key that cannot be used (exit code 2)."""
+
+
+# -- where things are ----------------------------------------------------------------------------------------------
+def default_notebooks_dir() -> Path:
+    """``$PAGEDWINDOW_NOTEBOOKS``, else the checkout's ``notebooks/`` (next to ``src/``), else ``./notebooks``."""
+    if os.environ.get(NOTEBOOKS_ENV):
+        return Path(os.environ[NOTEBOOKS_ENV])
+    checkout = Path(__file__).resolve().parents[2] / "notebooks"
+    return checkout if checkout.is_dir() else Path.cwd() / "notebooks"
+
+
+def available_notebooks(notebooks_dir: Path) -> list[str]:
+    """Stems of the notebooks in ``notebooks_dir``, sorted (``01_...`` first)."""
+    return sorted(p.stem for p in Path(notebooks_dir).glob("*.ipynb"))
+
+
+def resolve_params(params: str, notebooks_dir: Path) -> Path:
+    """A YAML path as given, or ``notebooks_dir/params/<params>.yaml``."""
+    path = Path(params)
+    if path.suffix in (".yaml", ".yml") or path.is_file():
+        if not path.is_file():
+            raise ReportUsageError(f"parameter file {path} does not exist")
+        return path
+    candidate = Path(notebooks_dir) / "params" / f"{params}.yaml"
+    if not candidate.is_file():
+        known = sorted(p.stem for p in (Path(notebooks_dir) / "params").glob("*.yaml"))
+        raise ReportUsageError(f"unknown parameter set {params!r}; known: {', '.join(known) or 'none'}")
+    return candidate
+
+
+def load_params(path: Path) -> dict:
+    """The YAML mapping of a parameter set (an empty file is an empty set)."""
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ReportUsageError(f"{path}: a parameter set must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def declared_parameters(notebook: Path) -> dict:
+    """The parameters a notebook declares in its ``parameters`` cell: name -> {name, inferred_type_name,
+    default, help} (papermill's inspection)."""
+    import papermill
+
+    return papermill.inspect_notebook(str(notebook))
+
+
+# -- planning the runs ---------------------------------------------------------------------------------------------
+@dataclass
+class RunSpec:
+    """One notebook execution of the report."""
+
+    name: str  # the notebook stem, or "<stem>-<variant>"
+    notebook: str
+    parameters: dict
+
+
+def plan_runs(data: dict, declared: dict, selected: list[str]) -> list[RunSpec]:
+    """Expand a parameter set into runs of the ``selected`` notebooks (stems, in order).
+
+    ``declared``: stem -> the parameter names the notebook declares. Raises :class:`ReportUsageError` for a key
+    no notebook declares, a notebook key that its notebook does not declare, or a malformed section.
+    """
+    notebook_keys = {k for k in data if k in declared}
+    shared = {k: v for k, v in data.items() if k not in notebook_keys}
+    everyone = set().union(*declared.values()) if declared else set()
+    unknown = sorted(k for k in shared if k not in everyone)
+    if unknown:
+        raise ReportUsageError(f"shared key(s) {unknown} are neither a notebook name ({sorted(declared)}) nor a "
+                               "parameter any notebook declares")
+    runs = []
+    for stem in selected:
+        section = data.get(stem) or {}
+        if not isinstance(section, dict):
+            raise ReportUsageError(f"section {stem!r} must be a mapping of parameters")
+        variants = section.get(VARIANTS_KEY)
+        base = {k: v for k, v in section.items() if k != VARIANTS_KEY}
+        if variants is not None and (not isinstance(variants, dict) or not variants
+                                     or not all(isinstance(v, dict) for v in variants.values())):
+            raise ReportUsageError(f"{stem}.{VARIANTS_KEY} must map labels to mappings of parameters")
+        for label, overrides in (variants or {None: {}}).items():
+            own = {**base, **overrides}
+            bad = sorted(k for k in own if k not in declared[stem])
+            if bad:
+                raise ReportUsageError(f"{stem}: parameter(s) {bad} are not declared by the notebook "
+                                       f"(declared: {sorted(declared[stem])})")
+            params = {k: v for k, v in shared.items() if k in declared[stem]}
+            params.update(own)
+            runs.append(RunSpec(stem if label is None else f"{stem}-{label}", stem, params))
+    return runs
+
+
+# -- running -------------------------------------------------------------------------------------------------------
+@dataclass
+class RunResult:
+    spec: RunSpec
+    status: str  # "passed" | "failed" (gate) | "error" (the notebook raised) | "no-metrics"
+    seconds: float
+    metrics: dict = field(default_factory=dict)
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "passed"
+
+
+@contextlib.contextmanager
+def _kernel_environment(repo: Path):
+    """Environment the kernels inherit: this ``pagedwindow`` importable, the repository known, and the inline
+    matplotlib backend (so figures render into the executed notebook whatever ``MPLBACKEND`` the caller has)."""
+    import pagedwindow
+
+    src = str(Path(pagedwindow.__file__).resolve().parents[1])
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", REPO_ENV, "MPLBACKEND")}
+    parts = [src] + [p for p in (saved["PYTHONPATH"] or "").split(os.pathsep) if p and p != src]
+    os.environ["PYTHONPATH"] = os.pathsep.join(parts)
+    os.environ[REPO_ENV] = str(repo)
+    os.environ["MPLBACKEND"] = INLINE_BACKEND
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def execute_run(spec: RunSpec, notebook: Path, run_dir: Path, *, kernel_name: str, progress: bool) -> RunResult:
+    """Execute one run into ``run_dir`` (executed notebook, artifacts) and read its gate."""
+    import papermill
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    params = dict(spec.parameters, out_dir=str(run_dir.resolve()))
+    executed = run_dir / f"{spec.name}.ipynb"
+    started = time.perf_counter()
+    error = ""
+    try:
+        papermill.execute_notebook(str(notebook), str(executed), parameters=params, kernel_name=kernel_name,
+                                   progress_bar=progress, cwd=str(run_dir), log_output=False)
+    except papermill.PapermillExecutionError as exc:
+        error = f"{exc.ename}: {exc.evalue}"
+    seconds = time.perf_counter() - started
+    metrics_path = run_dir / "metrics.json"
+    metrics = json.loads(metrics_path.read_text()) if metrics_path.is_file() else {}
+    if error:
+        return RunResult(spec, "error", seconds, metrics, f"the notebook raised {error}")
+    if not metrics:
+        return RunResult(spec, "no-metrics", seconds, metrics, "the notebook wrote no metrics.json")
+    if metrics.get("passed") is not True:
+        why = "; ".join(metrics.get("failures") or []) or "metrics.json has passed = false"
+        return RunResult(spec, "failed", seconds, metrics, why)
+    return RunResult(spec, "passed", seconds, metrics)
+
+
+def render_html(executed: Path, html_path: Path) -> Path:
+    """The executed notebook as HTML without input cells or prompts; stderr streams (progress bars, warnings)
+    are left out of the HTML (the executed .ipynb keeps them)."""
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    nb = nbformat.read(str(executed), as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = [o for o in cell.get("outputs", [])
+                            if not (o.get("output_type") == "stream" and o.get("name") == "stderr")]
+    exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
+    body, _ = exporter.from_notebook_node(nb)
+    html_path.write_text(body)
+    return html_path
+
+
+# -- the index -----------------------------------------------------------------------------------------------------
+def headline(metrics: dict) -> dict:
+    """The top-level scalars of a metrics.json, ``passed`` and long strings left out."""
+    out = {}
+    for k, v in metrics.items():
+        if k == "passed" or isinstance(v, (dict, list)):
+            continue
+        if isinstance(v, str) and len(v) > 80:
+            continue
+        out[k] = v
+    return out
+
+
+def _cell(value) -> str:
+    from .viz.artifacts import format_value
+
+    return html.escape(format_value(value))
+
+
+STATUS_STYLE = {"passed": "#d9f0d3", "failed": "#fdd0c7", "error": "#fdd0c7", "no-metrics": "#fdd0c7"}
+
+
+def write_index(report_dir: Path, results: list[RunResult], *, params_name: str, params_path: Path,
+                params_text: str) -> Path:
+    """``report_dir/index.html``: one row per run (status, time, links, headline metrics), failures spelled
+    out, the parameter set and the environment."""
+    import torch
+
+    rows = []
+    for r in results:
+        links = [f'<a href="{html.escape(r.spec.name)}.html">report</a>',
+                 f'<a href="{html.escape(r.spec.name)}/{html.escape(r.spec.name)}.ipynb">notebook</a>']
+        if r.metrics:
+            links.append(f'<a href="{html.escape(r.spec.name)}/metrics.json">metrics.json</a>')
+        links.append(f'<a href="{html.escape(r.spec.name)}/">artifacts</a>')
+        metrics = "".join(f"<tr><td>{html.escape(k)}</td><td>{_cell(v)}</td></tr>"
+                          for k, v in headline(r.metrics).items())
+        message = f"<div class='why'>{html.escape(r.message)}</div>" if r.message else ""
+        rows.append(
+            f"<tr style='background:{STATUS_STYLE.get(r.status, '#fff')}'>"
+            f"<td><b>{html.escape(r.spec.name)}</b><br><small>{html.escape(r.spec.notebook)}.ipynb</small></td>"
+            f"<td><b>{html.escape(r.status.upper())}</b>{message}</td><td>{r.seconds:.1f} s</td>"
+            f"<td>{' · '.join(links)}</td><td><table class='m'>{metrics}</table></td></tr>")
+    passed = sum(r.ok for r in results)
+    verdict = ("all gates passed" if passed == len(results)
+               else f"{len(results) - passed} of {len(results)} runs FAILED")
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = "not installed"
+    env = (f"python {platform.python_version()} · torch {torch.__version__} · transformers {tf_version} · "
+           f"{'CUDA: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU only'}")
+    page = f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>pagedwindow report — {html.escape(params_name)}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; }}
+table.runs {{ border-collapse: collapse; }} table.runs > tbody > tr > td, table.runs th {{ border: 1px solid #999;
+  padding: 6px; vertical-align: top; }}
+table.m td {{ padding: 0 8px 0 0; font-size: 85%; }} .why {{ font-size: 85%; max-width: 28em; }}
+pre {{ background: #f6f6f6; padding: 1em; }}
+</style></head><body>
+<h1>pagedwindow report — <code>{html.escape(params_name)}</code></h1>
+<p><b>{html.escape(verdict)}</b> ({passed}/{len(results)} passed). Generated
+{html.escape(datetime.datetime.now().isoformat(timespec='seconds'))}. {html.escape(env)}.</p>
+<table class="runs"><thead><tr><th>run</th><th>gate</th><th>time</th><th>files</th><th>headline metrics</th></tr>
+</thead><tbody>
+{''.join(rows)}
+</tbody></table>
+<h2>Parameter set <code>{html.escape(str(params_path))}</code></h2>
+<pre>{html.escape(params_text)}</pre>
+</body></html>
+"""
+    path = report_dir / "index.html"
+    path.write_text(page)
+    return path
+
+
+# -- the command ---------------------------------------------------------------------------------------------------
+def _select(requested: list[str] | None, available: list[str]) -> list[str]:
+    """Notebook stems from names given as stems, file names or unique prefixes (``01``)."""
+    if not requested:
+        return list(available)
+    out = []
+    for name in requested:
+        stem = Path(name).stem if name.endswith(".ipynb") else name
+        matches = [a for a in available if a == stem] or [a for a in available if a.startswith(stem)]
+        if len(matches) != 1:
+            raise ReportUsageError(f"notebook {name!r} matches {matches or 'nothing'}; available: {available}")
+        if matches[0] not in out:
+            out.append(matches[0])
+    return out
+
+
+def run_report(params: str = "default", out: str | os.PathLike | None = None, notebooks: list[str] | None = None,
+               *, notebooks_dir: str | os.PathLike | None = None, kernel_name: str = "python3",
+               progress: bool = True) -> int:
+    """Run the chosen notebooks with a parameter set, render HTML, write ``index.html``; return the exit code.
+
+    params: a set name in ``notebooks/params`` or a YAML path. out: the report directory (default
+    ``reports/<params name>``). notebooks: stems, file names or unique prefixes (default: all). See the module
+    docstring for the layout and the exit codes.
+    """
+    nb_dir = Path(notebooks_dir) if notebooks_dir is not None else default_notebooks_dir()
+    missing = [m for m in ("papermill", "nbconvert", "yaml", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"pagedwindow report: {', '.join(missing)} not installed: pip install 'pagedwindow[notebooks,hf]'",
+              file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        params_path = resolve_params(params, nb_dir)
+        data = load_params(params_path)
+        available = available_notebooks(nb_dir)
+        if not available:
+            raise ReportUsageError(f"no notebooks in {nb_dir}")
+        selected = _select(notebooks, available)
+        declared = {stem: set(declared_parameters(nb_dir / f"{stem}.ipynb")) for stem in available}
+        runs = plan_runs(data, declared, selected)
+    except ReportUsageError as exc:
+        print(f"pagedwindow report: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    params_name = params_path.stem
+    report_dir = Path(out) if out is not None else Path("reports") / params_name
+    report_dir.mkdir(parents=True, exist_ok=True)
+    print(f"pagedwindow report: {len(runs)} run(s) with {params_path} into {report_dir}/", file=sys.stderr)
+    results = []
+    with _kernel_environment(nb_dir.resolve().parent):
+        for i, spec in enumerate(runs, 1):
+            print(f"[{i}/{len(runs)}] {spec.name}", file=sys.stderr, flush=True)
+            run_dir = report_dir / spec.name
+            result = execute_run(spec, nb_dir / f"{spec.notebook}.ipynb", run_dir, kernel_name=kernel_name,
+                                 progress=progress)
+            executed = run_dir / f"{spec.name}.ipynb"
+            if executed.is_file():
+                render_html(executed, report_dir / f"{spec.name}.html")
+            results.append(result)
+            print(f"[{i}/{len(runs)}] {spec.name}: {result.status.upper()} in {result.seconds:.1f} s"
+                  + (f" — {result.message}" if result.message else ""), file=sys.stderr, flush=True)
+    index = write_index(report_dir, results, params_name=params_name, params_path=params_path,
+                        params_text=params_path.read_text())
+    failed = [r for r in results if not r.ok]
+    print(f"pagedwindow report: {index}", file=sys.stderr)
+    if failed:
+        print("pagedwindow report: FAILED gate(s): "
+              + "; ".join(f"{r.spec.name} ({r.status}: {r.message})" for r in failed), file=sys.stderr)
+        return EXIT_GATE_FAILED
+    print(f"pagedwindow report: all {len(results)} gate(s) passed", file=sys.stderr)
+    return EXIT_OK

@@ -1,0 +1,124 @@
+"""Benchmark results files (``benchmarks/results/h200-<date>.json``): found, validated, tabulated, gated.
+
+Schema: ``{"gpu": str, "peak_bf16_tflops": float, "records": [record, ...]}`` (``date``, ``torch`` optional). A
+*timing record* has ``system``, ``workload`` and ``ms`` (``null`` = the system is missing or failed; ``status``
+may say why), ``useful_tflops`` and ``max_abs_err`` (numbers or ``null``). Records without ``ms`` are auxiliary
+metrics (e.g. ``{"metric": "allocations_per_10_calls", "value": 0}``) and are listed apart.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .paths import resolve_path
+
+SYSTEMS = ("pagedwindow", "flashinfer_fa2", "flashinfer_fa3", "flex", "sdpa")
+RESULTS_PATTERN = re.compile(r"^h200-(\d{4}-\d{2}-\d{2})(.*)\.json$")
+
+
+def newest_results(results_dir) -> Path | None:
+    """The ``h200-<date>*.json`` with the latest date in ``results_dir`` (name order breaks ties), or None."""
+    found = resolve_path(results_dir)
+    if found is None or not found.is_dir():
+        return None
+    files = [p for p in found.iterdir() if RESULTS_PATTERN.match(p.name)]
+    if not files:
+        return None
+    return max(files, key=lambda p: (RESULTS_PATTERN.match(p.name).group(1), p.name))
+
+
+@dataclass
+class BenchResults:
+    path: Path
+    gpu: str
+    peak_bf16_tflops: float
+    records: list  # timing records (dicts with "ms")
+    auxiliary: list = field(default_factory=list)  # records without "ms"
+    date: str | None = None
+
+    @property
+    def workloads(self) -> list[str]:
+        return list(dict.fromkeys(r["workload"] for r in self.records))
+
+    @property
+    def systems(self) -> list[str]:
+        seen = list(dict.fromkeys(r["system"] for r in self.records))
+        return [s for s in SYSTEMS if s in seen] + [s for s in seen if s not in SYSTEMS]
+
+    def record(self, workload: str, system: str) -> dict | None:
+        return next((r for r in self.records if r["workload"] == workload and r["system"] == system), None)
+
+
+def _number_or_null(where: str, name: str, value) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ValueError(f"{where}: {name} must be a number or null, got {value!r}")
+
+
+def load_results(path) -> BenchResults:
+    """Read and validate one results file; a ValueError names the first field that breaks the schema."""
+    path = Path(path)
+    data = json.loads(path.read_text())
+    if not isinstance(data, dict):
+        raise ValueError(f"{path.name}: the top level must be an object")
+    if not isinstance(data.get("gpu"), str):
+        raise ValueError(f"{path.name}: 'gpu' must be a string, got {data.get('gpu')!r}")
+    peak = data.get("peak_bf16_tflops")
+    if isinstance(peak, bool) or not isinstance(peak, (int, float)) or not peak > 0:
+        raise ValueError(f"{path.name}: 'peak_bf16_tflops' must be a positive number, got {peak!r}")
+    if not isinstance(data.get("records"), list):
+        raise ValueError(f"{path.name}: 'records' must be a list")
+    timing, auxiliary = [], []
+    for i, r in enumerate(data["records"]):
+        where = f"{path.name}: records[{i}]"
+        if not isinstance(r, dict) or not isinstance(r.get("system"), str) or not isinstance(r.get("workload"), str):
+            raise ValueError(f"{where} needs string 'system' and 'workload', got {r!r}")
+        if "ms" not in r:
+            auxiliary.append(r)
+            continue
+        for name in ("ms", "useful_tflops", "max_abs_err"):
+            _number_or_null(where, name, r.get(name))
+        timing.append(r)
+    match = RESULTS_PATTERN.match(path.name)
+    return BenchResults(path=path, gpu=data["gpu"], peak_bf16_tflops=float(peak), records=timing,
+                        auxiliary=auxiliary, date=data.get("date") or (match.group(1) if match else None))
+
+
+def summary_rows(results: BenchResults) -> list[dict]:
+    """One row per (workload, system): ms, useful TF/s, % of the bf16 GEMM rate measured in the same run,
+    pagedwindow's speed-up over that system (its ms / ours), max_abs_err and status."""
+    rows = []
+    for w in results.workloads:
+        ours = results.record(w, "pagedwindow")
+        ours_ms = ours.get("ms") if ours else None
+        for s in results.systems:
+            r = results.record(w, s)
+            if r is None:
+                continue
+            ms, tflops = r.get("ms"), r.get("useful_tflops")
+            rows.append({
+                "workload": w, "system": s, "ms": ms, "useful_tflops": tflops,
+                "pct_of_gemm": 100 * tflops / results.peak_bf16_tflops if tflops is not None else None,
+                "pagedwindow_speedup": ms / ours_ms if ms is not None and ours_ms else None,
+                "max_abs_err": r.get("max_abs_err"), "status": r.get("status", "ok" if ms is not None else "missing"),
+            })
+    return rows
+
+
+def bench_gate(results: BenchResults, *, max_err_limit: float) -> list[str]:
+    """Failures (empty = pass): pagedwindow must be timed on every workload of the file, with a finite
+    ``max_abs_err <= max_err_limit`` against the reference."""
+    failures = []
+    for w in results.workloads:
+        r = results.record(w, "pagedwindow")
+        if r is None or r.get("ms") is None:
+            status = r.get("status", "no record") if r else "no record"
+            failures.append(f"{w}: pagedwindow was not timed ({status})")
+            continue
+        err = r.get("max_abs_err")
+        if err is None or not math.isfinite(err) or err > max_err_limit:
+            failures.append(f"{w}: pagedwindow max_abs_err {err!r} exceeds {max_err_limit:g}")
+    return failures

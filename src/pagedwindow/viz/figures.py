@@ -1,0 +1,48 @@
+"""Matplotlib set-up: the Agg backend unless something can show figures, and saving PNGs into ``out_dir``.
+
+Importing this module picks the backend before ``pyplot`` is imported anywhere: a notebook kernel keeps its
+inline backend (figures render into the notebook and its HTML), ``MPLBACKEND`` is respected, and any other process
+(scripts, tests, CI) gets Agg.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import matplotlib
+
+
+def _in_notebook_kernel() -> bool:
+    shell = sys.modules.get("IPython")
+    if shell is None or "ipykernel" not in sys.modules:
+        return False
+    ip = shell.get_ipython()
+    return ip is not None and type(ip).__name__ == "ZMQInteractiveShell"
+
+
+def ensure_backend() -> str:
+    """Select Agg unless running in a notebook kernel or ``MPLBACKEND`` is set; returns the backend in use."""
+    if not _in_notebook_kernel() and "MPLBACKEND" not in os.environ:
+        matplotlib.use("Agg")
+    return matplotlib.get_backend()
+
+
+ensure_backend()
+
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
+
+def save_figure(fig, out_dir, name: str, *, dpi: int = 110) -> Path:
+    """Save ``fig`` as ``out_dir/name.png`` (tight bounding box); returns the path. The figure stays open."""
+    path = Path(out_dir) / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    return path
+
+
+def new_figure(ncols: int = 1, nrows: int = 1, *, width: float = 6.0, height: float = 3.6, **kwargs):
+    """``plt.subplots`` with a size per panel; returns ``(fig, axes)`` with ``axes`` always a flat list."""
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False, **kwargs)
+    return fig, list(axes.flat)

@@ -1,0 +1,40 @@
+"""Where notebook inputs and outputs live: the repository root, relative paths resolved against it, out_dir.
+
+A notebook runs with whatever working directory its launcher picked (JupyterLab: the notebook's folder; the report:
+the run's directory), so relative paths are resolved here rather than against the working directory alone.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ENV = "PAGEDWINDOW_REPO"  # the report sets it for its kernels: the repository the notebooks came from
+
+
+def repository_root() -> Path | None:
+    """``$PAGEDWINDOW_REPO``, else the source checkout this package is imported from (``src/`` layout), else None."""
+    if os.environ.get(REPO_ENV):
+        return Path(os.environ[REPO_ENV])
+    checkout = Path(__file__).resolve().parents[3]  # src/pagedwindow/viz/ -> the repository root
+    return checkout if (checkout / "pyproject.toml").is_file() else None
+
+
+def resolve_path(path) -> Path | None:
+    """An existing path: ``path`` itself if absolute, else the first of ``cwd / path`` and
+    ``repository_root() / path`` that exists; None when there is none."""
+    path = Path(path)
+    if path.is_absolute():
+        return path if path.exists() else None
+    roots = [Path.cwd()] + [r for r in (repository_root(),) if r is not None]
+    return next((root / path for root in roots if (root / path).exists()), None)
+
+
+def output_dir(out_dir) -> Path:
+    """The directory a notebook writes into, created: ``out_dir`` if absolute, else under the repository root
+    (never into ``notebooks/`` because JupyterLab started there), else under the working directory."""
+    path = Path(out_dir)
+    if not path.is_absolute():
+        path = (repository_root() or Path.cwd()) / path
+    path.mkdir(parents=True, exist_ok=True)
+    return path

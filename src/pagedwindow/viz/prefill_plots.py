@@ -1,0 +1,144 @@
+"""Notebook 01's plots: weight error against key distance (window edge marked), error across page boundaries,
+per-head heatmaps, and the error histogram against HF's backend floor. Each returns a matplotlib figure."""
+
+from __future__ import annotations
+
+import torch
+
+from .figures import new_figure
+from .prefill_detail import PrefillDetail
+
+TINY = 1e-12  # exact zeros are drawn here on log axes
+
+
+def _layer_label(d) -> str:
+    return f"L{d.layer} {'sliding' if d.window_left >= 0 else 'full'}"
+
+
+def plot_error_vs_distance(detail: PrefillDetail):
+    """Left: max |P_ours − P_fp64| of the attention weights against key distance ``q_pos − k``. Right: the mean
+    weight at each distance (fp64 solid, ours dashed) — it must drop to exactly 0 past the window's edge."""
+    fig, (left, right) = new_figure(ncols=2, width=6.2, height=3.8)
+    edges = set()
+    for i, d in enumerate(detail.layers):
+        if d.probe is None:
+            continue
+        x = torch.arange(d.probe.span).numpy()
+        left.plot(x, d.probe.distance_max_err.clamp_min(TINY).numpy(), lw=0.9, color=f"C{i}", label=_layer_label(d))
+        right.plot(x, d.probe.distance_mean_weight.clamp_min(TINY).numpy(), lw=1.0, color=f"C{i}",
+                   label=f"{_layer_label(d)} fp64")
+        right.plot(x, d.probe.distance_mean_ours.clamp_min(TINY).numpy(), lw=1.0, ls="--", color=f"C{i}")
+        if d.window_left >= 0:
+            edges.add(d.window_left)
+    for ax in (left, right):
+        for e in sorted(edges):
+            ax.axvline(e + 0.5, color="#cb181d", ls="--", lw=1.0, label=f"window edge (window_left {e})")
+        ax.set_yscale("log")
+        ax.set_xlabel("key distance from the query, q_pos − k")
+    left.set_ylabel(f"max |P_ours − P_fp64| (0 drawn at {TINY:g})")
+    left.set_title("attention-weight error by distance", fontsize=9)
+    right.set_ylabel(f"mean attention weight (0 drawn at {TINY:g})")
+    right.set_title("weight profile: fp64 solid, ours dashed", fontsize=9)
+    left.legend(fontsize=7)
+    right.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def plot_page_boundaries(detail: PrefillDetail, *, sliding_window: int | None = None):
+    """Left: output error per query row (ours solid, HF floor dotted) against position, page boundaries dotted,
+    the chunk boundary solid, the first sliding position dashed. Right: weight error by the key's slot in its
+    page (a page-boundary bug shows at slot 0 or page_size − 1)."""
+    fig, (left, right) = new_figure(ncols=2, width=6.2, height=3.8)
+    ps = detail.page_size
+    for i, d in enumerate(detail.layers):
+        x = torch.arange(len(d.row_err)).numpy()
+        left.plot(x, d.row_err.clamp_min(TINY).numpy(), lw=0.9, color=f"C{i}", label=_layer_label(d))
+        left.plot(x, d.row_floor.clamp_min(TINY).numpy(), lw=0.7, ls=":", color=f"C{i}")
+        if d.probe is not None:
+            right.plot(torch.arange(ps).numpy(), d.probe.slot_max_err.clamp_min(TINY).numpy(), marker="o", ms=3,
+                       lw=0.9, color=f"C{i}", label=_layer_label(d))
+    n_pages = -(-detail.prompt_len // ps)
+    every = max(1, n_pages // 48)
+    for p in range(every, n_pages, every):
+        left.axvline(p * ps - 0.5, color="#969696", lw=0.5, ls=":")
+    if len(detail.chunks) > 1:
+        left.axvline(detail.chunks[0] - 0.5, color="black", lw=1.2, label=f"chunk boundary ({detail.chunks[0]})")
+    if sliding_window is not None and sliding_window < detail.prompt_len:
+        left.axvline(sliding_window - 0.5, color="#cb181d", ls="--", lw=1.0,
+                     label=f"window starts sliding (q_pos {sliding_window})")
+    left.set_yscale("log")
+    left.set_xlabel(f"query position (dotted: page boundaries every {ps * every})")
+    left.set_ylabel("max |ours − HF eager| (dotted: |sdpa − eager|)")
+    left.set_title("output error by query position", fontsize=9)
+    left.legend(fontsize=7)
+    right.set_yscale("log")
+    if ps <= 32:
+        right.set_xticks(range(ps))
+    right.set_xlabel(f"key slot within its page (page_size {ps})")
+    right.set_ylabel("max |P_ours − P_fp64|")
+    right.set_title("weight error by slot in page", fontsize=9)
+    if right.lines:
+        right.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def plot_head_heatmap(detail: PrefillDetail):
+    """Max |ours − HF eager| and max |HF sdpa − eager| per (layer, query head), on one log colour scale."""
+    err = torch.stack([d.head_err for d in detail.layers]).double()  # [layers, Hq]
+    floor = torch.stack([d.head_floor for d in detail.layers]).double()
+    logs = [torch.log10(t.clamp_min(TINY)) for t in (err, floor)]
+    lo, hi = float(min(t.min() for t in logs)), float(max(t.max() for t in logs))
+    fig, axes = new_figure(ncols=2, width=max(4.0, 1.0 + 0.45 * err.shape[1]), height=1.2 + 0.45 * err.shape[0])
+    for ax, values, log, title in zip(axes, (err, floor), logs, ("ours vs HF eager", "HF sdpa vs eager (floor)")):
+        im = ax.imshow(log.numpy(), cmap="magma", vmin=lo, vmax=max(hi, lo + 1e-9), aspect="auto")
+        if values.numel() <= 256:
+            for (r, c), v in zip(torch.cartesian_prod(torch.arange(values.shape[0]), torch.arange(values.shape[1])),
+                                 values.flatten()):
+                ax.text(int(c), int(r), f"{float(v):.1e}", ha="center", va="center", fontsize=6,
+                        color="white" if float(torch.log10(v.clamp_min(TINY))) < (lo + hi) / 2 else "black")
+        ax.set_yticks(range(len(detail.layers)))
+        ax.set_yticklabels([_layer_label(d) for d in detail.layers] if ax is axes[0] else [], fontsize=7)
+        ax.set_xticks(range(values.shape[1]))
+        ax.set_xlabel("query head")
+        ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=axes, label="log10 max |error|")
+    return fig
+
+
+def plot_error_histogram(detail: PrefillDetail, *, limit: float | None = None):
+    """Every output element's |ours − HF eager| against |HF sdpa − eager| (the floor), all layers, log bins;
+    exact zeros counted in the legend; the tightest absolute tolerance among the layers dashed."""
+    fig, (ax,) = new_figure(width=7.0, height=3.8)
+    edges = detail.hist_edges
+    centers = (edges[:-1] * edges[1:]).sqrt().numpy()
+    err = torch.stack([d.hist_err for d in detail.layers]).sum(0)
+    floor = torch.stack([d.hist_floor for d in detail.layers]).sum(0)
+    zeros_err = sum(d.zeros_err for d in detail.layers)
+    zeros_floor = sum(d.zeros_floor for d in detail.layers)
+    ax.step(centers, err.numpy(), where="mid", lw=1.2, label=f"ours vs HF eager ({zeros_err} exact zeros)")
+    ax.step(centers, floor.numpy(), where="mid", lw=1.2, color="#969696",
+            label=f"HF sdpa vs eager — floor ({zeros_floor} exact zeros)")
+    if limit is not None:
+        ax.axvline(limit, color="#cb181d", ls="--", lw=1.0, label=f"tolerance {limit:.2g} (tightest layer)")
+    nonzero = torch.nonzero((err + floor) > 0).flatten()
+    if nonzero.numel():
+        hi = float(edges[min(len(edges) - 1, int(nonzero[-1]) + 2)])
+        ax.set_xlim(float(edges[max(0, int(nonzero[0]) - 1)]), max(hi, 2 * limit) if limit is not None else hi)
+    ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=1)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("|error| of one output element")
+    ax.set_ylabel("count")
+    ax.set_title("error histogram against the HF backend floor", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig
+
+
+def tightest_tolerance(oracle, dtype: torch.dtype) -> float:
+    """The smallest absolute tolerance the oracle's gate allows among the layers (for the histogram)."""
+    from ..hf.tolerance import tolerance
+
+    return min(tolerance(e.ours.ref_max, e.floor.max_abs, dtype) for e in oracle.layers)

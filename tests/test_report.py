@@ -1,0 +1,137 @@
+"""``pagedwindow report`` (report.run_report): parameter-set planning, a smoke report end to end (index.html, HTML
+without inputs, artifacts in the report directory, nothing in notebooks/), and non-zero exits for a failing gate,
+a raising notebook and usage errors."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pagedwindow import report
+from pagedwindow.cli import main as cli_main
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+
+
+def _snapshot(directory: Path) -> dict:
+    return {p: p.stat().st_mtime_ns for p in directory.rglob("*")}
+
+
+# -- planning ------------------------------------------------------------------------------------------------------
+DECLARED = {"01_a": {"seed", "dtype", "x", "out_dir"}, "02_b": {"seed", "y", "out_dir"}}
+
+
+def test_plan_runs_shares_keys_by_declaration_and_expands_variants():
+    data = {"seed": 3, "dtype": "float32", "01_a": {"x": 1, "variants": {"fp32": {}, "bf16": {"dtype": "bfloat16"}}},
+            "02_b": {"y": [1, 2]}}
+    runs = report.plan_runs(data, DECLARED, ["01_a", "02_b"])
+    assert [r.name for r in runs] == ["01_a-fp32", "01_a-bf16", "02_b"]
+    assert runs[0].parameters == {"seed": 3, "dtype": "float32", "x": 1}
+    assert runs[1].parameters == {"seed": 3, "dtype": "bfloat16", "x": 1}
+    assert runs[2].parameters == {"seed": 3, "y": [1, 2]}  # dtype is not declared by 02_b: not passed
+    assert [r.name for r in report.plan_runs(data, DECLARED, ["02_b"])] == ["02_b"]
+
+
+@pytest.mark.parametrize("data,match", [
+    ({"sed": 1}, "sed"),                                   # a shared key nobody declares
+    ({"01_a": {"y": 1}}, "01_a: parameter"),               # a key its notebook does not declare
+    ({"01_a": {"variants": {"v": {"z": 1}}}}, "'z'"),      # ... inside a variant
+    ({"01_a": {"variants": []}}, "variants"),
+    ({"01_a": [1]}, "mapping"),
+])
+def test_plan_runs_refuses_unknown_keys(data, match):
+    with pytest.raises(report.ReportUsageError, match=match):
+        report.plan_runs(data, DECLARED, ["01_a", "02_b"])
+
+
+def test_notebook_selection_by_stem_file_or_prefix():
+    available = ["01_a", "02_b", "021_c"]
+    assert report._select(None, available) == available
+    assert report._select(["02_b.ipynb", "01"], available) == ["02_b", "01_a"]
+    with pytest.raises(report.ReportUsageError, match="matches"):
+        report._select(["02"], available)  # ambiguous: 02_b and 021_c
+    with pytest.raises(report.ReportUsageError, match="nothing"):
+        report._select(["9"], available)
+
+
+@pytest.mark.parametrize("name", ["smoke", "default", "gemma4_12b"])
+def test_committed_parameter_sets_plan_every_notebook(name):
+    nb_dir = report.default_notebooks_dir()
+    stems = report.available_notebooks(nb_dir)
+    declared = {s: set(report.declared_parameters(nb_dir / f"{s}.ipynb")) for s in stems}
+    runs = report.plan_runs(report.load_params(report.resolve_params(name, nb_dir)), declared, stems)
+    assert {r.notebook for r in runs} == set(stems)
+    assert all("out_dir" not in r.parameters for r in runs)
+
+
+def test_gemma4_12b_is_gemma_4_12b_shaped():
+    nb_dir = report.default_notebooks_dir()
+    stems = report.available_notebooks(nb_dir)
+    declared = {s: set(report.declared_parameters(nb_dir / f"{s}.ipynb")) for s in stems}
+    runs = report.plan_runs(report.load_params(report.resolve_params("gemma4_12b", nb_dir)), declared, stems)
+    for r in runs:
+        if r.notebook.startswith(("01", "02", "03")):
+            p = r.parameters
+            assert (p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], p["page_size"], p["dtype"]) == \
+                (16, 8, 256, 16, "bfloat16")
+            assert p["backend"] in ("cuda", "auto")
+            assert p.get("sliding_window", (p.get("window_left", -2) + 1)) == 1024
+
+
+def test_usage_errors_exit_2(tmp_path, capsys):
+    assert report.run_report(params="no_such_set", out=tmp_path / "r") == report.EXIT_USAGE
+    assert "unknown parameter set 'no_such_set'" in capsys.readouterr().err
+    assert report.run_report(params="smoke", out=tmp_path / "r", notebooks=["99"]) == report.EXIT_USAGE
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("seed: 0\nwindow_lft: 3\n")
+    assert report.run_report(params=str(bad), out=tmp_path / "r") == report.EXIT_USAGE
+    assert "window_lft" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+# -- end to end ------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_smoke_report_writes_index_and_html(tmp_path, capsys):
+    before = _snapshot(NOTEBOOKS)
+    out = tmp_path / "smoke"
+    code = cli_main(["report", "--params", "smoke", "--out", str(out), "--notebooks", "02", "04_benchmark"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "all 2 gate(s) passed" in err
+    index = (out / "index.html").read_text()
+    for run in ("02_kernel_explorer", "04_benchmark"):
+        assert f'href="{run}.html"' in index
+        html = (out / f"{run}.html").read_text()
+        assert "jp-OutputArea" in html
+        assert "import " not in re.sub(r"<(style|script).*?</\1>", "", html, flags=re.S)  # no input cells
+        assert (out / run / f"{run}.ipynb").is_file() and (out / run / "metrics.json").is_file()
+    assert index.count("PASSED") == 2 and "max_abs_err" in index and "measured" in index
+    assert (out / "02_kernel_explorer" / "tiles.png").is_file()
+    assert "<img" in (out / "02_kernel_explorer.html").read_text()  # figures rendered into the report
+    assert _snapshot(NOTEBOOKS) == before, "the report wrote into notebooks/"
+
+
+@pytest.mark.slow
+def test_failing_gate_and_raising_notebook_exit_nonzero(tmp_path, capsys):
+    params = tmp_path / "failing.yaml"
+    params.write_text(yaml.safe_dump({
+        "backend": "reference", "device": "cpu",
+        "02_kernel_explorer": {"head_dim": 32, "variants": {
+            "gate_fails": {"err_factor": 0.0, "err_slack": 0.0},  # bf16 output is never exact: must fail
+            "raises": {"seq_lens": [0], "start_positions": [0]},  # kv_len 0: the plan refuses it
+            "passes": {},
+        }},
+    }))
+    out = tmp_path / "rep"
+    code = report.run_report(params=str(params), out=out, notebooks=["02"], progress=False)
+    err = capsys.readouterr().err
+    assert code == report.EXIT_GATE_FAILED
+    assert "FAILED gate(s): 02_kernel_explorer-gate_fails (failed: max |ours − fp64|" in err
+    assert "02_kernel_explorer-raises (error: the notebook raised PagedWindowError" in err
+    assert "02_kernel_explorer-passes" not in err.split("FAILED gate(s)")[1]
+    index = (out / "index.html").read_text()
+    assert "2 of 3 runs FAILED" in index and index.count(">FAILED<") == 1 and index.count(">ERROR<") == 1
+    assert (out / "02_kernel_explorer-raises.html").is_file()  # the failing notebook is rendered too

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the kernels, run the GPU suite, memcheck, the error table, the benchmark;
 # a short table last. Usage (repository root, on the device): bash benchmarks/device_run.sh [pytest paths...]
-# Env: SKIP_SUITE / SKIP_MEMCHECK / SKIP_BENCH=1 skip a step; BENCH_ARGS adds bench flags; VARIANTS="label:nvcc
-# flags:tile ..." times pagedwindow alone for each kernel variant after the main bench.
+# Env: SKIP_SUITE / SKIP_MEMCHECK / SKIP_BENCH=1 skip a step; BENCH_ARGS adds bench flags;
+# VARIANTS="label:VAR=value,VAR=value:tile ..." times pagedwindow alone for each kernel variant (environment, e.g.
+# PAGEDWINDOW_PREFILL_KERNEL or PAGEDWINDOW_NVCC_FLAGS, and plan tile) after the main bench.
+# Results: $OUT/log.txt, the main bench's JSON/MD, and every bench file in $OUT/bench.tar.gz.
 set -uo pipefail
 OUT=${OUT:-/tmp/pw-out}
 mkdir -p "$OUT"
@@ -32,8 +34,13 @@ t1=$(date +%s)
 suite="skipped"
 if [ "${SKIP_SUITE:-0}" != 1 ]; then
   step "GPU suite: pytest -m cuda ${*:-tests}"
-  python3 -m pytest -q -m cuda -p no:cacheprovider "${@:-tests}" 2>&1 | tee -a "$LOG" | tail -25
+  python3 -m pytest -q -m cuda -p no:cacheprovider --maxfail=5 "${@:-tests}" 2>&1 | tee -a "$LOG" | tail -25
   suite="rc=${PIPESTATUS[0]}: $(grep -E '(passed|failed|error)' "$LOG" | tail -1)"
+  step "GPU kernel suite again on the mma.sync kernel: PAGEDWINDOW_PREFILL_KERNEL=mma_sync"
+  PAGEDWINDOW_PREFILL_KERNEL=mma_sync python3 -m pytest -q -m cuda -p no:cacheprovider --maxfail=5 \
+    tests/test_cuda_kernels.py \
+    2>&1 | tee -a "$LOG" | tail -5
+  suite="$suite; mma_sync rc=${PIPESTATUS[0]}: $(grep -E '(passed|failed|error)' "$LOG" | tail -1)"
 fi
 t2=$(date +%s)
 memcheck="skipped"
@@ -47,15 +54,19 @@ fi
 t3=$(date +%s)
 bench="skipped"
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  step "python3 -m pagedwindow.cli bench --out \$OUT ${BENCH_ARGS:-}"
-  python3 -m pagedwindow.cli bench --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee -a "$LOG" | grep -E "^\||GPU:" | tail -30
+  BENCH=/tmp/pw-bench
+  mkdir -p $BENCH
+  step "python3 -m pagedwindow.cli bench --out $BENCH ${BENCH_ARGS:-}"
+  python3 -m pagedwindow.cli bench --out $BENCH ${BENCH_ARGS:-} 2>&1 | tee -a "$LOG" | grep -E "^\||GPU:" | tail -30
   bench="rc=${PIPESTATUS[0]}"
+  cp $BENCH/h200-*.json $BENCH/h200-*.md "$OUT"/ 2>/dev/null
   for v in ${VARIANTS:-}; do
-    IFS=: read -r label flags tile <<<"$v"
-    step "variant $label: PAGEDWINDOW_NVCC_FLAGS='$flags' bench --systems pagedwindow --cta-tile-q $tile"
-    PAGEDWINDOW_NVCC_FLAGS="${flags//,/ }" python3 -m pagedwindow.cli bench --systems pagedwindow --out "$OUT" \
-      --label "$label" ${tile:+--cta-tile-q $tile} 2>&1 | tee -a "$LOG" | grep -E "^\| [a-z]" | tail -8
+    IFS=: read -r label assignments tile <<<"$v"
+    step "variant $label: ${assignments//,/ } bench --systems pagedwindow --cta-tile-q $tile"
+    env ${assignments//,/ } python3 -m pagedwindow.cli bench --systems pagedwindow --out $BENCH --label "$label" \
+      ${tile:+--cta-tile-q $tile} 2>&1 | tee -a "$LOG" | grep -E "^\| [a-z]" | tail -8
   done
+  tar -czf "$OUT/bench.tar.gz" -C $BENCH .
 fi
 t4=$(date +%s)
 echo

@@ -16,7 +16,7 @@ from tests.cases import make_case  # noqa: E402
 
 def main() -> int:
     worst = 0.0
-    for tile in (16, 64):
+    for tile in (16, 64, 128):
         gen = torch.Generator().manual_seed(tile)
         case = make_case(gen, seq_lens=[70, 0, 9], start_positions=[30, 4, 0], page_size=5, num_qo_heads=16,
                          num_kv_heads=8, head_dim=256, dtype=torch.bfloat16, device="cuda", cta_tile_q=tile)

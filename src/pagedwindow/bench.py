@@ -314,7 +314,11 @@ def run_bench(out="benchmarks/results", workloads=None, systems=None, sweep=Fals
             allocations[w.name] = allocations_per_call(w, input_sets[0])
         del input_sets
         torch.cuda.empty_cache()
+    from .cuda import build, ops
+
+    kernel = ops.prefill_entry(build.target_for_capability(*torch.cuda.get_device_capability(device)))
     result = {"gpu": torch.cuda.get_device_name(device), "date": datetime.date.today().isoformat(),
+              "prefill_kernel": kernel,
               "torch": torch.__version__, "peak_bf16_tflops": peak, "cta_tile_q": cta_tile_q, "label": label,
               "allocations_per_10_calls": allocations, "records": records}
     out = Path(out)

@@ -21,7 +21,7 @@ from pathlib import Path
 from filelock import FileLock
 
 KERNELS_DIR = Path(os.environ.get("PAGEDWINDOW_KERNELS_DIR", Path(__file__).resolve().parents[3] / "kernels"))
-SOURCES = ("prefill_hd256.cu", "append_paged_kv.cu")
+SOURCES = ("prefill_hd256.cu", "prefill_hd256_sm90.cu", "append_paged_kv.cu")
 COMMON_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", "-Xptxas=-v,--warn-on-spills",
                 *os.environ.get("PAGEDWINDOW_NVCC_FLAGS", "").split())
 """nvcc flags of every build; ``$PAGEDWINDOW_NVCC_FLAGS`` appends more (e.g. a kernel variant's -D for a benchmark);

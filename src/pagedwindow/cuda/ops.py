@@ -9,6 +9,7 @@ current stream with no synchronisation and no allocation. ``register_fake`` make
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 
 import torch
@@ -17,6 +18,19 @@ from .build import build_shared_library, target_for_capability
 
 _lock = threading.Lock()
 _libraries: dict[str, ctypes.CDLL] = {}
+
+PREFILL_KERNELS = ("auto", "mma_sync", "wgmma")
+"""``$PAGEDWINDOW_PREFILL_KERNEL``: ``auto`` (wgmma on sm_90, mma.sync elsewhere), or force one (benchmarks)."""
+
+
+def prefill_entry(target: str) -> str:
+    """The launcher the prefill op calls on ``target``: the sm_90a wgmma kernel on Hopper, else mma.sync."""
+    choice = os.environ.get("PAGEDWINDOW_PREFILL_KERNEL", "auto")
+    if choice not in PREFILL_KERNELS:
+        raise RuntimeError(f"PAGEDWINDOW_PREFILL_KERNEL={choice!r} is not one of {PREFILL_KERNELS}")
+    if choice == "wgmma" or (choice == "auto" and target == "sm_90a"):
+        return "pw_prefill_hd256_bf16_sm90"
+    return "pw_prefill_hd256_bf16"
 
 _c_int, _c_ll, _c_float, _p = ctypes.c_int, ctypes.c_longlong, ctypes.c_float, ctypes.c_void_p
 _PREFILL_ARGS = [_p, _p, _p, _p, _c_ll, _c_ll, _c_ll, _c_int, _c_int, _c_int, _p, _p, _p, _p, _p, _p, _p, _c_int,
@@ -32,11 +46,16 @@ def library(device: torch.device) -> ctypes.CDLL:
         lib = _libraries.get(target)
         if lib is None:
             lib = ctypes.CDLL(str(build_shared_library(target)))
-            lib.pw_prefill_hd256_bf16.argtypes = _PREFILL_ARGS
-            lib.pw_prefill_hd256_bf16.restype = _c_int
+            for name in ("pw_prefill_hd256_bf16", "pw_prefill_hd256_bf16_sm90"):
+                getattr(lib, name).argtypes = _PREFILL_ARGS
+                getattr(lib, name).restype = _c_int
+            lib.prefill = getattr(lib, prefill_entry(target))
+            lib.prefill_error_string = (lib.pw_prefill_hd256_sm90_error_string if lib.prefill.__name__.endswith("sm90")
+                                        else lib.pw_prefill_hd256_error_string)
             lib.pw_append_paged_kv.argtypes = _APPEND_ARGS
             lib.pw_append_paged_kv.restype = _c_int
-            for name in ("pw_prefill_hd256_error_string", "pw_append_paged_kv_error_string"):
+            for name in ("pw_prefill_hd256_error_string", "pw_prefill_hd256_sm90_error_string",
+                         "pw_append_paged_kv_error_string"):
                 getattr(lib, name).argtypes = [_c_int]
                 getattr(lib, name).restype = ctypes.c_char_p
             _libraries[target] = lib
@@ -51,10 +70,9 @@ def _segment_pointers(plan_buffer: torch.Tensor, segment_sizes: list[int]) -> li
     return pointers
 
 
-def _check(lib: ctypes.CDLL, code: int, name: str) -> None:
+def _check(code: int, name: str, error_string) -> None:
     if code != 0:
-        what = getattr(lib, f"{name}_error_string")(code).decode()
-        raise RuntimeError(f"{name} failed with code {code}: {what}")
+        raise RuntimeError(f"{name} failed with code {code}: {error_string(code).decode()}")
 
 
 @torch.library.custom_op("pagedwindow::prefill_hd256", mutates_args=("out", "lse"))
@@ -67,11 +85,11 @@ def prefill_hd256(q: torch.Tensor, pool: torch.Tensor, plan_buffer: torch.Tensor
     lib = library(q.device)
     with torch.cuda.device(q.device):  # the launcher launches on the current device
         stream = torch.cuda.current_stream(q.device).cuda_stream
-        code = lib.pw_prefill_hd256_bf16(
+        code = lib.prefill(
             q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else None, pool.data_ptr(), k_offset,
             v_offset, page_stride, page_size, num_qo_heads, num_kv_heads, pages, page_indptr, last, qo_indptr,
             requests, qo_tiles, scalars, grid_tiles, cta_tile_q, sm_scale, window_left, stream)
-    _check(lib, code, "pw_prefill_hd256")
+    _check(code, lib.prefill.__name__, lib.prefill_error_string)
 
 
 @prefill_hd256.register_fake
@@ -93,7 +111,7 @@ def append_paged_kv(k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, plan_b
             k.data_ptr(), v.data_ptr(), pool.data_ptr(), k_offset, v_offset, page_stride, page_size, num_kv_heads,
             head_dim, k.element_size(), pages, page_indptr, last, qo_indptr, scalars, batch_capacity,
             token_capacity, stream)
-    _check(lib, code, "pw_append_paged_kv")
+    _check(code, "pw_append_paged_kv", lib.pw_append_paged_kv_error_string)
 
 
 @append_paged_kv.register_fake

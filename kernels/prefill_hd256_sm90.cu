@@ -1,0 +1,927 @@
+// pagedwindow: windowed paged prefill attention, head_dim 256, bf16 in/out -- Hopper (sm_90a) wgmma path.
+//
+// Same semantics, arguments, plan arrays and error codes as pw_prefill_hd256_bf16 (prefill_hd256.cu), plus
+// -12 (ERR_NOT_SM90): this library was not built for sm_90a, or the current device is not 9.0.
+//
+//   query row j of request r sits at KV position q_pos = kv_len_r - seq_r + j (bottom-right causal);
+//   key k (0 <= k < kv_len_r) is visible iff k <= q_pos and (window_left < 0 or q_pos - k <= window_left).
+//   logits = sm_scale * q.k in fp32; softmax in fp32 (exp2 with log2(e) folded into the scale);
+//   out = softmax . V accumulated in fp32, cast once to bf16. Optional natural-log LSE per (row, q head).
+//
+// Structure (FlashAttention-3-like, warp-specialised):
+//   * CTA = 1 producer warpgroup + kWG consumer warpgroups (128 threads each). Consumer warpgroup c owns the
+//     packed query rows [64c, 64c + 64) of the tile. cta_tile_q 128 -> kWG = 2 (the fast path);
+//     cta_tile_q 64 and 16 -> kWG = 1 (a 16-row tile runs a 64-row warpgroup whose rows 16..63 are
+//     zero-filled and never written).
+//   * Producer: loads Q once, then K(j), V(j) for every 64-key tile j with 16-byte cp.async (pages are scattered
+//     and page_size is arbitrary, so every key row gets its own address: no TMA), and signals the buffer's
+//     "full" mbarrier with cp.async.mbarrier.arrive.noinc (one arrival per producer thread, counted when that
+//     thread's copies have landed). It waits on the buffer's "empty" mbarrier (one arrival per consumer warp)
+//     before refilling it. K and V have separate barriers; kStages = 2 buffers each.
+//   * Consumers: S = Q K^T with 16 x wgmma m64n64k16 (A = Q, B = K, both from shared memory, K-major,
+//     128-byte swizzle); online softmax in registers (fp32, exp2); P re-packed to bf16 A fragments in
+//     registers; O += P V with 4 x wgmma m64n256k16 (A = P from registers, B = V from shared memory, MN-major
+//     i.e. transpose-B). O is 64 x 256 fp32 per warpgroup = 128 registers per thread.
+//   * Per tile the consumer issues S(j+1) = Q K(j+1)^T and O += P(j) V(j) back to back (two asynchronous commit
+//     groups), waits for S(j+1) only, computes softmax(j+1) while PV(j) runs, then waits for PV(j) and rescales O
+//     (FlashAttention-3's intra-warpgroup overlap). Two consumer warpgroups also ping-pong through two named
+//     barriers (FlashAttention-3's warp-scheduler barrier), so one warpgroup's softmax overlaps the other's
+//     GEMMs. cta_tile_q 128 uses setmaxnreg: 168 registers per thread at launch, producer 40, consumers 232.
+//   * Shared memory (dynamic, base rounded up to 1024 B): Q [64*kWG rows], K [2][64], V [2][64], bf16, each
+//     tile stored as four 64-column blocks (one per 128 bytes of a row); inside a block rows are 128 B apart
+//     and 16-byte chunk c of row r sits at chunk c ^ (r & 7) -- exactly the canonical SWIZZLE_128B atom
+//     (8 rows x 128 B = 1024 B) that the wgmma descriptors describe. 128-row tile: Q 64 KB + K/V 128 KB +
+//     1 KB alignment pad = 193 KB; 16/64-row tile: 32 KB + 128 KB + 1 KB = 161 KB. One CTA per SM.
+//   * KV tiles wholly left of the window are never read: the loop starts at the window's left edge of the
+//     tile's first query row (rounded down to 64) and ends at the last query row's position; keys outside
+//     [that left edge, last row's position] are zero-filled instead of read; only boundary tiles are masked.
+//
+// Plain CUDA C++, no torch headers. Compiles for sm_80 / sm_89 / sm_90a; the kernel body exists only where
+// __CUDA_ARCH_FEAT_SM90_ALL is defined (sm_90a), elsewhere it is empty and the launcher refuses (-12).
+
+#include <cuda_runtime.h>
+#include <cuda_bf16.h>
+#include <stdint.h>
+#include <math.h>
+#include <atomic>
+
+// Device-side watchdog on every mbarrier wait (1 = on, 0 = off): see mbar_wait.
+#ifndef PW_SM90_WATCHDOG
+#define PW_SM90_WATCHDOG 1
+#endif
+
+namespace pw_prefill_sm90 {
+
+// ---------------------------------------------------------------------------------------------------------
+// Error codes: identical to prefill_hd256.cu, plus -12.
+// ---------------------------------------------------------------------------------------------------------
+enum Status {
+  OK = 0,
+  ERR_NULL_POINTER = -1,      // a required pointer is NULL
+  ERR_NONPOSITIVE_SIZE = -2,  // page_size, num_qo_heads, num_kv_heads, page_stride < 1 or grid_tiles < 0
+  ERR_HEAD_RATIO = -3,        // num_qo_heads % num_kv_heads != 0
+  ERR_UNSUPPORTED_TILE = -4,  // cta_tile_q not in {16, 64, 128}
+  ERR_MISALIGNED = -5,        // q/out/pool not 16-byte aligned, lse not 4-byte aligned,
+                              // or k_offset/v_offset/page_stride not a multiple of 8 elements
+  ERR_BAD_SCALE = -6,         // sm_scale not finite or not > 0
+  ERR_BAD_WINDOW = -7,        // window_left < -1
+  ERR_NEGATIVE_OFFSET = -9,   // k_offset or v_offset < 0
+  ERR_SMEM_UNAVAILABLE = -10, // the device cannot give this tile the shared memory it needs
+  ERR_TOO_LARGE = -11,        // num_kv_heads > 65535 (grid y) or num_qo_heads * 256 past int32
+  ERR_NOT_SM90 = -12,         // library not built for sm_90a, or the current device is not compute capability 9.0
+};
+
+constexpr int kHeadDim = 256;
+constexpr int kKvTile = 64;                        // keys per KV tile
+constexpr uint32_t kKvBytes = kKvTile * 512;       // one K or V tile: 32 KB
+constexpr int kProducerThreads = 128;
+
+
+struct Params {
+  const __nv_bfloat16* q;
+  __nv_bfloat16* out;
+  float* lse;
+  const __nv_bfloat16* pool;
+  long long k_offset;
+  long long v_offset;
+  long long page_stride;
+  const int* page_indices;
+  const int* page_indptr;
+  const int* last_page_len;
+  const int* qo_indptr;
+  const int* request_indices;
+  const int* qo_tile_indices;
+  const int* plan_scalars;
+  int page_size;
+  int num_qo_heads;
+  int num_kv_heads;
+  int group;
+  int window_left;
+  float scale_log2;  // sm_scale * log2(e)
+};
+
+// Compile-time configuration of one kernel instantiation.
+template <int kCtaQ, int kWG, int kStages>
+struct Cfg {
+  static_assert(kWG == 1 || kWG == 2, "one or two consumer warpgroups");
+  static_assert(kStages == 1 || kStages == 2, "one or two K/V buffers");
+  static_assert(kCtaQ >= 1 && kCtaQ <= 64 * kWG, "the consumer warpgroups must cover the tile");
+  static constexpr int kThreads = kProducerThreads + 128 * kWG;
+  static constexpr int kRowsQ = 64 * kWG;                // Q rows held in shared memory
+  static constexpr uint32_t kQBlockBytes = kRowsQ * 128; // one 64-column block of Q
+  static constexpr uint32_t kQBytes = kRowsQ * 512;
+  static constexpr uint32_t kSmemBytes = 1024 + kQBytes + 2u * kStages * kKvBytes;  // + 1 KB alignment pad
+  static constexpr int kMinBlocks = 1;
+  // Two consumer warpgroups + the producer (384 threads) get 168 registers each at launch; setmaxnreg moves
+  // them to the consumers (FlashAttention-3's split for a cp.async producer): 128 * 40 + 256 * 232 = 64512.
+  // One consumer warpgroup (256 threads) has 255 registers per thread anyway: no setmaxnreg.
+  static constexpr bool kSetMaxNReg = (kWG == 2);
+  static constexpr uint32_t kProducerRegs = 40;
+  static constexpr uint32_t kConsumerRegs = 232;
+  static_assert(!kSetMaxNReg || kProducerThreads * kProducerRegs + 128 * kWG * kConsumerRegs <= 65536,
+                "setmaxnreg budget exceeds the register file");
+  static constexpr int kNumBarriers = 1 + 4 * kStages;   // q_full, full_k[], full_v[], empty_k[], empty_v[]
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define PW_SM90_DEVICE_CODE 1
+#endif
+
+#ifdef PW_SM90_DEVICE_CODE
+// ------------------------------------------------------------------------------------------------ PTX helpers
+constexpr uint32_t kKvBlockBytes = kKvTile * 128;  // one 64-column block of a K/V tile: 8 KB
+// Named barriers (id 0 is __syncthreads): 1, 2 = "consumer warpgroup 0 / 1 may issue its GEMMs";
+// 3, 4 = consumer warpgroup 0 / 1 internal sync before the epilogue.
+constexpr int kBarSched = 1;
+constexpr int kBarEpilogue = 3;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Byte offset of 16-byte chunk `chunk` (0..31) of row `row` in a tile of `rows` rows stored as four
+// 64-column SWIZZLE_128B blocks (block = chunk / 8, rows 128 B apart, chunk (chunk % 8) ^ (row % 8)).
+template <int kRows>
+__device__ __forceinline__ uint32_t sw128(int row, int chunk) {
+  return static_cast<uint32_t>((chunk >> 3) * (kRows * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+}
+
+// 16-byte async copy global -> shared; src_bytes 0 writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+// Arrive on the mbarrier once all of this thread's prior cp.async copies have landed (counts as one of the
+// barrier's expected arrivals: .noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// One probe: has the phase with parity `parity` completed? (acquire, CTA scope)
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+// Upper 32 bits of the global nanosecond timer (one tick = 2^32 ns = 4.29 s).
+__device__ __forceinline__ uint32_t globaltimer_hi() {
+  uint32_t t;
+  asm volatile("mov.u32 %0, %%globaltimer_hi;\n" : "=r"(t));
+  return t;
+}
+// Wait until the phase with parity `parity` has completed. With PW_SM90_WATCHDOG (default on), a wait that
+// spans more than 4 ticks of globaltimer_hi (17-21 s) aborts the grid, so a pipeline bug becomes a launch
+// error instead of a hung GPU; the timer is read only on the slow path. kTrap: the producer traps; the
+// consumers store to address 0 instead (the grid dies with an illegal-address error just the same), because a
+// trap inside their wgmma pipeline makes ptxas serialise the wgmmas and spill.
+template <bool kTrap>
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  if (mbar_try_wait(bar, parity)) return;
+#if PW_SM90_WATCHDOG
+  const uint32_t t0 = globaltimer_hi();
+  while (!mbar_try_wait(bar, parity)) {
+    if (globaltimer_hi() - t0 > 4u) {
+      if constexpr (kTrap) {
+        __trap();
+      } else {
+        asm volatile("st.global.u32 [%0], %1;\n" ::"l"(0ull), "r"(0u) : "memory");
+        return;
+      }
+    }
+  }
+#else
+  while (!mbar_try_wait(bar, parity)) {
+  }
+#endif
+}
+
+// Make data written through the generic proxy (cp.async) visible to the async proxy (wgmma operand reads).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void named_bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int kPending>  // wait until at most kPending of this thread's wgmma groups are still in flight
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Pin an accumulator register at this point of the program (no compiler motion of its reads/writes across).
+__device__ __forceinline__ void reg_fence(float& x) { asm volatile("" : "+f"(x)::"memory"); }
+__device__ __forceinline__ void reg_fence_u32(uint32_t& x) { asm volatile("" : "+r"(x)::"memory"); }
+
+// Shared-memory matrix descriptor (sm_90 wgmma):
+//   bits  0..13 start address >> 4      bits 16..29 leading-dimension byte offset >> 4
+//   bits 32..45 stride-dimension byte offset >> 4      bits 49..51 base offset (0: atoms 1024-B aligned)
+//   bits 62..63 swizzle mode (1 = 128-byte swizzle)
+// Low word = start | LBO << 16, high word = SBO | mode << 30. SBO = 1024 B (next 8-row / 8-key group) for
+// every operand here; LBO = 16 B (ignored) for K-major, 8192 B (next 64-column block) for MN-major V.
+__device__ __forceinline__ uint32_t desc_lo(uint32_t smem_byte_addr, uint32_t lbo_bytes) {
+  return ((smem_byte_addr & 0x3FFFFu) >> 4) | ((lbo_bytes >> 4) << 16);
+}
+constexpr uint32_t kDescHi = (1024u >> 4) | (1u << 30);
+__device__ __forceinline__ uint64_t make_desc(uint32_t lo) {
+  return (static_cast<uint64_t>(kDescHi) << 32) | static_cast<uint64_t>(lo);
+}
+
+// D(64x64, fp32) = A(64x16, smem, K-major) * B(16x64, smem, K-major) (scale-d = 0: D is write-only, so the
+// old contents of d are dead for the compiler).
+__device__ __forceinline__ void wgmma_m64n64k16_ss_first(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31 "
+      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7]),
+        "=f"(d[8]), "=f"(d[9]), "=f"(d[10]), "=f"(d[11]), "=f"(d[12]), "=f"(d[13]), "=f"(d[14]), "=f"(d[15]),
+        "=f"(d[16]), "=f"(d[17]), "=f"(d[18]), "=f"(d[19]), "=f"(d[20]), "=f"(d[21]), "=f"(d[22]), "=f"(d[23]),
+        "=f"(d[24]), "=f"(d[25]), "=f"(d[26]), "=f"(d[27]), "=f"(d[28]), "=f"(d[29]), "=f"(d[30]), "=f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "n"(0));
+}
+
+// D(64x64, fp32) += A(64x16, smem, K-major) * B(16x64, smem, K-major).
+__device__ __forceinline__ void wgmma_m64n64k16_ss_acc(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31 "
+      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(desc_a), "l"(desc_b), "n"(1));
+}
+
+// D(64x256, fp32) += A(64x16, registers) * B(16x256, smem, MN-major = transposed).
+__device__ __forceinline__ void wgmma_m64n256k16_rs_tb(float (&d)[128], uint32_t a0, uint32_t a1, uint32_t a2,
+                                                       uint32_t a3, uint64_t desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %133, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "
+      "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "
+      "%62, %63, %64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, %80, %81, "
+      "%82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, %96, %97, %98, %99, %100, "
+      "%101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, %115, %116, "
+      "%117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127 "
+      "}, {%128, %129, %130, %131}, %132, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
+        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
+        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
+        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
+        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
+        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]),
+        "+f"(d[103]), "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
+        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]),
+        "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]),
+        "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "n"(1));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) == +0
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Two floats -> bf16x2 (round to nearest even); `lo` goes to the low 16 bits (the lower column index).
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
+// Producer: copy 16 rows of a 64-key tile (rows 16*pw .. 16*pw + 15; lane = 16-byte chunk). `off` holds, in
+// lane i < 16, the pool element offset of row 16*pw + i (or -1: outside [kv_lo, kv_hi), zero-filled).
+__device__ __forceinline__ void issue_kv_rows(uint32_t s_tile, const __nv_bfloat16* pool_lane,
+                                              const __nv_bfloat16* pool, long long off, int pw, int lane) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const long long row_off = __shfl_sync(0xffffffffu, off, i);
+    const bool valid = row_off >= 0;
+    const void* src = valid ? static_cast<const void*>(pool_lane + row_off) : static_cast<const void*>(pool);
+    cp_async_16(s_tile + sw128<kKvTile>(pw * 16 + i, lane), src, valid ? 16 : 0);
+  }
+}
+
+// Tile geometry (uniform across the CTA; identical to prefill_hd256.cu). Computed once before the role split
+// (for the early exit) and again inside each role, so that few values are live across setmaxnreg.
+struct Geo {
+  int qo_begin, page_base, kv_len, row0, rows_valid, q_shift, kv_lo, kv_hi, kv_start, n_tiles;
+};
+template <int kCtaQ>
+__device__ __forceinline__ Geo tile_geometry(const Params& p, int tile) {
+  Geo t;
+  const int req = p.request_indices[tile];
+  const int qtile = p.qo_tile_indices[tile];
+  t.qo_begin = p.qo_indptr[req];
+  const int seq = p.qo_indptr[req + 1] - t.qo_begin;
+  t.page_base = p.page_indptr[req];
+  const int num_pages = p.page_indptr[req + 1] - t.page_base;
+  t.kv_len = (num_pages - 1) * p.page_size + p.last_page_len[req];
+  t.row0 = qtile * kCtaQ;                                   // first packed row of this tile
+  t.rows_valid = min(kCtaQ, seq * p.group - t.row0);       // packed rows this tile owns
+  t.q_shift = t.kv_len - seq;                               // q_pos = q_shift + token
+  const int qpos_first = t.q_shift + t.row0 / p.group;
+  const int qpos_last = t.q_shift + (t.row0 + max(t.rows_valid, 1) - 1) / p.group;
+  t.kv_lo = (p.window_left >= 0) ? max(qpos_first - p.window_left, 0) : 0;  // first key any row can see
+  t.kv_hi = min(qpos_last + 1, t.kv_len);                                     // one past the last one
+  t.kv_start = (t.kv_lo / kKvTile) * kKvTile;
+  t.n_tiles = (t.kv_hi > t.kv_start) ? (t.kv_hi - t.kv_start + kKvTile - 1) / kKvTile : 0;
+  return t;
+}
+#endif  // PW_SM90_DEVICE_CODE
+
+// ------------------------------------------------------------------------------------------------ the kernel
+#ifdef PW_SM90_DEVICE_CODE
+// Shared-memory map of one CTA (byte addresses in the shared window).
+template <int kCtaQ, int kWG, int kStages>
+struct Smem {
+  uint32_t q, k, v;  // Q | K[kStages] | V[kStages], q aligned to 1024 B (the swizzle atom)
+  uint32_t bar;      // q_full, full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages] (8 B each)
+  __device__ __forceinline__ Smem(const void* dyn, const void* bars) {
+    q = (smem_addr(dyn) + 1023u) & ~1023u;
+    k = q + Cfg<kCtaQ, kWG, kStages>::kQBytes;
+    v = k + kStages * kKvBytes;
+    bar = smem_addr(bars);
+  }
+  __device__ __forceinline__ uint32_t q_full() const { return bar; }
+  __device__ __forceinline__ uint32_t full_k(int s) const { return bar + 8u * (1 + s); }
+  __device__ __forceinline__ uint32_t full_v(int s) const { return bar + 8u * (1 + kStages + s); }
+  __device__ __forceinline__ uint32_t empty_k(int s) const { return bar + 8u * (1 + 2 * kStages + s); }
+  __device__ __forceinline__ uint32_t empty_v(int s) const { return bar + 8u * (1 + 3 * kStages + s); }
+};
+
+// ============================================== producer warpgroup ==============================================
+// Loads Q once, then K(j) and V(j) of every KV tile into buffer j % kStages. Warp w copies Q rows w, w+4, ...
+// and key rows 16w .. 16w+15 of every tile; lane = 16-byte chunk (one 512-byte row per instruction).
+template <int kCtaQ, int kWG, int kStages>
+__device__ __forceinline__ void producer(const Params& p, const Smem<kCtaQ, kWG, kStages>& sm) {
+  using C = Cfg<kCtaQ, kWG, kStages>;
+  const Geo t = tile_geometry<kCtaQ>(p, blockIdx.x);
+  const int kv_head = blockIdx.y;
+  const int warp = (threadIdx.x >> 5) & 3;
+  const int lane = threadIdx.x & 31;
+
+  // ---- Q tile (rows past rows_valid zero-filled)
+#pragma unroll 4
+  for (int it = 0; it < C::kRowsQ / 4; ++it) {
+    const int r = warp + 4 * it;
+    const bool valid = r < t.rows_valid;
+    const void* src = p.q;
+    if (valid) {
+      const int pr = t.row0 + r;
+      const int tok = pr / p.group;
+      const int head = kv_head * p.group + (pr - tok * p.group);
+      src = p.q + (static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head) * kHeadDim + lane * 8;
+    }
+    cp_async_16(sm.q + sw128<C::kRowsQ>(r, lane), src, valid ? 16 : 0);
+  }
+  cp_async_mbar_arrive(sm.q_full());
+
+  // ---- K/V tiles
+#pragma unroll 1
+  for (int j = 0; j < t.n_tiles; ++j) {
+    const int s = (kStages == 1) ? 0 : (j & 1);
+    const uint32_t empty_parity = ((kStages == 1 ? j : (j >> 1)) & 1) ^ 1;  // the first use passes at once
+    // Pool offset of key row 16*warp + lane (lanes 0..15; -1: outside [kv_lo, kv_hi), zero-filled). The page
+    // lookup happens before the wait, to hide its latency.
+    long long off = -1;
+    {
+      const int pos = t.kv_start + j * kKvTile + warp * 16 + lane;
+      if (lane < 16 && pos >= t.kv_lo && pos < t.kv_hi) {
+        const int pi = pos / p.page_size;
+        const int slot = pos - pi * p.page_size;
+        const int page = __ldg(p.page_indices + t.page_base + pi);
+        off = static_cast<long long>(page) * p.page_stride +
+              static_cast<long long>(slot * p.num_kv_heads + kv_head) * kHeadDim;
+      }
+    }
+    mbar_wait<true>(sm.empty_k(s), empty_parity);
+    issue_kv_rows(sm.k + s * kKvBytes, p.pool + p.k_offset + lane * 8, p.pool, off, warp, lane);
+    cp_async_mbar_arrive(sm.full_k(s));
+    mbar_wait<true>(sm.empty_v(s), empty_parity);
+    issue_kv_rows(sm.v + s * kKvBytes, p.pool + p.v_offset + lane * 8, p.pool, off, warp, lane);
+    cp_async_mbar_arrive(sm.full_v(s));
+  }
+  cp_async_wait_all();  // leave no copy in flight behind an exiting thread
+}
+
+// ============================================== consumer warpgroups ==============================================
+// Consumer cw (0..kWG-1) owns packed rows [64 cw, 64 cw + 64) of the tile.
+template <int kCtaQ, int kWG, int kStages>
+__device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG, kStages>& sm) {
+  using C = Cfg<kCtaQ, kWG, kStages>;
+  constexpr float kNegInf = -INFINITY;
+  const Geo t = tile_geometry<kCtaQ>(p, blockIdx.x);
+  const int kv_head = blockIdx.y;
+  const int cw = (threadIdx.x >> 7) - 1;
+  const int warp = (threadIdx.x >> 5) & 3;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;   // accumulator row within the warp's 16 rows (and g + 8)
+  const int c4 = lane & 3;   // accumulator column pair
+  const int group = p.group;
+  const int wl = p.window_left;
+  const int lrow0 = 64 * cw + 16 * warp + g;  // this thread's rows: lrow0 (index 0) and lrow0 + 8 (index 1)
+  const int qp0 = t.q_shift + (t.row0 + lrow0) / group;
+  const int qp1 = t.q_shift + (t.row0 + lrow0 + 8) / group;
+  const int lo0 = (wl >= 0) ? qp0 - wl : 0;
+  const int lo1 = (wl >= 0) ? qp1 - wl : 0;
+  const float sl2 = p.scale_log2;
+  // Query positions spanned by this warpgroup's rows (for the "no mask needed" test).
+  const int wq_first = t.q_shift + (t.row0 + 64 * cw) / group;
+  const int wq_last = t.q_shift + (t.row0 + max(64 * cw, min(64 * cw + 63, t.rows_valid - 1))) / group;
+
+  // Descriptor low words. Q: this warpgroup's 64 rows start 64 * 128 B into each 64-column block of Q.
+  const uint32_t dq = desc_lo(sm.q + cw * 64 * 128, 16);
+  const uint32_t dk0 = desc_lo(sm.k, 16);
+  const uint32_t dv0 = desc_lo(sm.v, 8192);
+
+  float o[128];
+#pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float s[32];  // written by the first S wgmma of every tile (scale-d = 0)
+  float m0 = kNegInf, m1 = kNegInf;  // running max of scaled (log2-domain) logits
+  float l0 = 0.f, l1 = 0.f;          // this thread's partial row sums (quad-reduced at the end)
+
+  // Issue (no fence, no commit) S = Q K^T for the tile in buffer st: 16 k-steps of 16 head dims, 64-column
+  // block kk/4 and +32 B per k-step inside it. s[4n + e] = row (e < 2 ? g : g + 8) of the warp,
+  // key kb + 8n + 2 c4 + (e & 1).
+  auto gemm_s = [&](int st) {
+    const uint32_t dk = dk0 + st * (kKvBytes >> 4);
+    wgmma_m64n64k16_ss_first(s, make_desc(dq), make_desc(dk));
+#pragma unroll
+    for (int kk = 1; kk < 16; ++kk) {
+      const uint32_t qo = (kk >> 2) * (C::kQBlockBytes >> 4) + (kk & 3) * 2;
+      const uint32_t ko = (kk >> 2) * (kKvBlockBytes >> 4) + (kk & 3) * 2;
+      wgmma_m64n64k16_ss_acc(s, make_desc(dq + qo), make_desc(dk + ko));
+    }
+  };
+  // Issue (no fence, no commit) O += P V for the tile in buffer st: 4 k-steps of 16 keys = rows 16ks.. of V,
+  // +2048 B each (two 8-key groups, SBO = 1024 B). o[4i + e] = row (e < 2 ? g : g + 8) of the warp,
+  // head dim 8i + 2 c4 + (e & 1).
+  uint32_t pf[4][4];  // P of the tile whose PV GEMM is issued next (bf16 wgmma A fragments)
+  auto gemm_pv = [&](int st) {
+    const uint32_t dv = dv0 + st * (kKvBytes >> 4);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      wgmma_m64n256k16_rs_tb(o, pf[ks][0], pf[ks][1], pf[ks][2], pf[ks][3], make_desc(dv + ks * (2048 >> 4)));
+    }
+  };
+
+  // Mask (boundary tiles only) and online softmax of tile j held in s (log2 domain): updates m and l, leaves
+  // P(j) in s (fp32), and returns the factors alpha by which O must be rescaled before P(j) V(j) is added.
+  // Neither O nor pf is touched here: a PV GEMM may still be reading pf and accumulating into O (ptxas
+  // serialises every wgmma if a wgmma input register is written while any wgmma is in flight).
+  auto softmax_p = [&](int j, float& alpha0, float& alpha1) {
+    const int kb = t.kv_start + j * kKvTile;
+    const bool full_tile = (kb + kKvTile - 1 <= wq_first) && (wl < 0 || kb >= wq_last - wl);
+    if (!full_tile) {
+#pragma unroll
+      for (int n = 0; n < 8; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = kb + 8 * n + 2 * c4 + (e & 1);
+          const bool vis = (e < 2) ? (key >= lo0 && key <= qp0) : (key >= lo1 && key <= qp1);
+          if (!vis) s[4 * n + e] = kNegInf;
+        }
+      }
+    }
+    float mx0 = kNegInf, mx1 = kNegInf;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      mx0 = fmaxf(mx0, fmaxf(s[4 * n + 0], s[4 * n + 1]));
+      mx1 = fmaxf(mx1, fmaxf(s[4 * n + 2], s[4 * n + 3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0 * sl2);  // sl2 > 0, so scaling commutes with max
+    const float mn1 = fmaxf(m1, mx1 * sl2);
+    // A row with nothing visible yet keeps max -inf: subtract 0 instead, so exp2(-inf - 0) = 0, not NaN.
+    const float mu0 = (mn0 == kNegInf) ? 0.f : mn0;
+    const float mu1 = (mn1 == kNegInf) ? 0.f : mn1;
+    alpha0 = fast_exp2(m0 - mu0);  // m0 == -inf -> 0 (O and l are still 0 then)
+    alpha1 = fast_exp2(m1 - mu1);
+    m0 = mn0;
+    m1 = mn1;
+    float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+    for (int n = 0; n < 8; ++n) {
+      s[4 * n + 0] = fast_exp2(fmaf(s[4 * n + 0], sl2, -mu0));
+      s[4 * n + 1] = fast_exp2(fmaf(s[4 * n + 1], sl2, -mu0));
+      s[4 * n + 2] = fast_exp2(fmaf(s[4 * n + 2], sl2, -mu1));
+      s[4 * n + 3] = fast_exp2(fmaf(s[4 * n + 3], sl2, -mu1));
+      rs0 += s[4 * n + 0] + s[4 * n + 1];
+      rs1 += s[4 * n + 2] + s[4 * n + 3];
+    }
+    l0 = l0 * alpha0 + rs0;
+    l1 = l1 * alpha1 + rs1;
+  };
+  // P (fp32, in s) -> bf16 wgmma A fragments in pf (same per-warp layout as mma.m16n8k16's A): k-step ks =
+  // keys 16ks .. 16ks+15 = S n-tiles 2ks (keys +0..7) and 2ks+1 (keys +8..15). Only with no wgmma in flight.
+  auto pack_p = [&]() {
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      pf[ks][0] = pack_bf16x2(s[8 * ks + 0], s[8 * ks + 1]);  // row g,   keys 2c, 2c+1
+      pf[ks][1] = pack_bf16x2(s[8 * ks + 2], s[8 * ks + 3]);  // row g+8, keys 2c, 2c+1
+      pf[ks][2] = pack_bf16x2(s[8 * ks + 4], s[8 * ks + 5]);  // row g,   keys 8+2c, 8+2c+1
+      pf[ks][3] = pack_bf16x2(s[8 * ks + 6], s[8 * ks + 7]);  // row g+8, keys 8+2c, 8+2c+1
+    }
+  };
+  auto rescale_o = [&](float alpha0, float alpha1) {
+#pragma unroll
+    for (int n = 0; n < 32; ++n) {
+      o[4 * n + 0] *= alpha0; o[4 * n + 1] *= alpha0;
+      o[4 * n + 2] *= alpha1; o[4 * n + 3] *= alpha1;
+    }
+  };
+  auto release = [&](uint32_t bar) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
+  };
+  auto stage_of = [](int j) { return (kStages == 1) ? 0 : (j & 1); };
+  auto parity_of = [](int j) { return static_cast<uint32_t>(((kStages == 1) ? j : (j >> 1)) & 1); };
+
+  // Schedule (per consumer warpgroup; a "turn" = issuing GEMMs, passed between the two consumer warpgroups
+  // through the named barriers kBarSched + cw):
+  //   turn 0: S(0);  wait;  softmax(0) -> P(0)
+  //   for j < n-1:  turn j+1: S(j+1), PV(j);  wait S(j+1);  softmax(j+1) -> P(j+1) while PV(j) runs;
+  //                 wait PV(j);  rescale O
+  //   turn n: PV(n-1);  wait
+  // Each warpgroup takes n_tiles + 1 turns and passes the turn on after each, except consumer 1 after its
+  // last (consumer 1's initial arrive gives consumer 0 its first turn), so every named-barrier generation gets
+  // exactly 256 arrivals: 128 waiting threads + 128 arriving threads. No wgmma is in flight across a loop
+  // edge or a conditional path (ptxas would otherwise serialise every wgmma); the last tile is peeled.
+#pragma unroll
+  for (int i = 0; i < 128; ++i) reg_fence(o[i]);  // materialise O = 0 before any wgmma is in flight
+  mbar_wait<false>(sm.q_full(), 0);
+  const int n_tiles = t.n_tiles;
+  if (n_tiles > 0) {  // always true when rows_valid > 0; uniform across the CTA
+    float alpha0, alpha1;
+    // ---- turn 0: S(0)
+    mbar_wait<false>(sm.full_k(0), 0);
+    fence_proxy_async();
+    if constexpr (kWG == 2) {
+      if (cw == 1) named_bar_arrive(kBarSched + 0, 256);
+      named_bar_sync(kBarSched + cw, 256);
+    }
+    wgmma_fence();
+    gemm_s(0);
+    wgmma_commit();
+    if constexpr (kWG == 2) named_bar_arrive(kBarSched + (1 - cw), 256);
+    wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < 32; ++i) reg_fence(s[i]);
+    release(sm.empty_k(0));
+    softmax_p(0, alpha0, alpha1);  // O is 0: no rescale needed
+    pack_p();
+
+#pragma unroll 1
+    for (int j = 0; j < n_tiles - 1; ++j) {
+      const int j1 = j + 1;
+      mbar_wait<false>(sm.full_k(stage_of(j1)), parity_of(j1));
+      mbar_wait<false>(sm.full_v(stage_of(j)), parity_of(j));
+      fence_proxy_async();
+      // ---- turn j+1: S(j+1), then PV(j) (two commit groups, in this order)
+      if constexpr (kWG == 2) named_bar_sync(kBarSched + cw, 256);
+      wgmma_fence();
+#pragma unroll
+      for (int i = 0; i < 128; ++i) reg_fence(o[i]);
+      gemm_s(stage_of(j1));
+      wgmma_commit();
+      gemm_pv(stage_of(j));
+      wgmma_commit();
+      if constexpr (kWG == 2) named_bar_arrive(kBarSched + (1 - cw), 256);
+      wgmma_wait<1>();  // S(j+1) has completed; PV(j) may still run
+#pragma unroll
+      for (int i = 0; i < 32; ++i) reg_fence(s[i]);
+      softmax_p(j1, alpha0, alpha1);  // overlaps PV(j) on the tensor cores
+      // Release K(j+1). The condition is always true (l0, l1 >= 0, or NaN), but it makes the arrive depend on
+      // the softmax, which keeps ptxas from sinking the softmax below the wait for PV(j) (losing the overlap).
+      __syncwarp();
+      if (lane == 0 && !(l0 + l1 < 0.f)) mbar_arrive(sm.empty_k(stage_of(j1)));
+      wgmma_wait<0>();  // PV(j) has completed
+#pragma unroll
+      for (int i = 0; i < 128; ++i) reg_fence(o[i]);
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        reg_fence_u32(pf[ks][0]); reg_fence_u32(pf[ks][1]); reg_fence_u32(pf[ks][2]); reg_fence_u32(pf[ks][3]);
+      }
+      release(sm.empty_v(stage_of(j)));
+      rescale_o(alpha0, alpha1);
+      pack_p();
+    }
+
+    // ---- turn n: PV(n-1)
+    mbar_wait<false>(sm.full_v(stage_of(n_tiles - 1)), parity_of(n_tiles - 1));
+    fence_proxy_async();
+    if constexpr (kWG == 2) named_bar_sync(kBarSched + cw, 256);
+    wgmma_fence();
+#pragma unroll
+    for (int i = 0; i < 128; ++i) reg_fence(o[i]);
+    gemm_pv(stage_of(n_tiles - 1));
+    wgmma_commit();
+    if constexpr (kWG == 2) {
+      if (cw == 0) named_bar_arrive(kBarSched + 1, 256);
+    }
+    wgmma_wait<0>();
+  }
+#pragma unroll
+  for (int i = 0; i < 128; ++i) reg_fence(o[i]);
+
+  // ---- epilogue: normalise, stage this warpgroup's rows as bf16 in its own Q rows, copy out 16 B per lane
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  const float inv0 = (l0 > 0.f) ? 1.f / l0 : 0.f;
+  const float inv1 = (l1 > 0.f) ? 1.f / l1 : 0.f;
+
+  // Only this warpgroup's S GEMMs ever read its 64 Q rows; all of them have completed once all four warps
+  // have passed this barrier.
+  named_bar_sync(kBarEpilogue + cw, 128);
+#pragma unroll
+  for (int n = 0; n < 32; ++n) {
+    // head dims 8n .. 8n+7 = 16-byte chunk n: block n / 8, chunk (n % 8) ^ (row % 8), row % 8 == g
+    const uint32_t a = sm.q + (n >> 3) * C::kQBlockBytes + lrow0 * 128 + (((n & 7) ^ g) << 4) + c4 * 4;
+    st_shared_b32(a, pack_bf16x2(o[4 * n + 0] * inv0, o[4 * n + 1] * inv0));
+    st_shared_b32(a + 8 * 128, pack_bf16x2(o[4 * n + 2] * inv1, o[4 * n + 3] * inv1));
+  }
+  __syncwarp();
+
+  if (p.lse != nullptr && c4 == 0) {
+    constexpr float kLn2 = 0.69314718055994530942f;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = lrow0 + 8 * h;
+      if (r < t.rows_valid) {
+        const int pr = t.row0 + r;
+        const int tok = pr / group;
+        const int head = kv_head * group + (pr - tok * group);
+        const float l = h ? l1 : l0;
+        const float m = h ? m1 : m0;
+        p.lse[static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head] =
+            (l > 0.f) ? (m + __log2f(l)) * kLn2 : kNegInf;
+      }
+    }
+  }
+
+  // The warp reads back exactly the 16 rows it wrote.
+#pragma unroll 4
+  for (int i = 0; i < 16; ++i) {
+    const int r = 64 * cw + 16 * warp + i;
+    if (r < t.rows_valid) {
+      const int pr = t.row0 + r;
+      const int tok = pr / group;
+      const int head = kv_head * group + (pr - tok * group);
+      const uint4 v = ld_shared_v4(sm.q + sw128<C::kRowsQ>(r, lane));
+      __nv_bfloat16* dst =
+          p.out + (static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head) * kHeadDim + lane * 8;
+      *reinterpret_cast<uint4*>(dst) = v;
+    }
+  }
+}
+#endif  // PW_SM90_DEVICE_CODE
+
+template <int kCtaQ, int kWG, int kStages>
+__global__ void __launch_bounds__(Cfg<kCtaQ, kWG, kStages>::kThreads, Cfg<kCtaQ, kWG, kStages>::kMinBlocks)
+    pw_prefill_hd256_sm90_kernel(const Params p) {
+#ifdef PW_SM90_DEVICE_CODE
+  using C = Cfg<kCtaQ, kWG, kStages>;
+  // Static shared memory exists only in the sm_90a build: the host launcher checks for it (an empty kernel
+  // from a compute_90 build without the arch-specific features has none).
+  __shared__ __align__(8) unsigned long long bars[C::kNumBarriers];
+  extern __shared__ __align__(16) unsigned char smem[];  // base rounded up to 1024 B at run time
+
+  if (static_cast<int>(blockIdx.x) >= p.plan_scalars[2]) return;  // grid x is a capacity
+  if (tile_geometry<kCtaQ>(p, blockIdx.x).rows_valid <= 0) return;  // uniform across the CTA
+
+  const Smem<kCtaQ, kWG, kStages> sm(smem, bars);
+  if (threadIdx.x == 0) {
+    mbar_init(sm.q_full(), kProducerThreads);
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(sm.full_k(s), kProducerThreads);  // one cp.async-tracked arrival per producer thread
+      mbar_init(sm.full_v(s), kProducerThreads);
+      mbar_init(sm.empty_k(s), 4 * kWG);          // one arrival per consumer warp
+      mbar_init(sm.empty_v(s), 4 * kWG);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (threadIdx.x < kProducerThreads) {  // warpgroup 0
+    if constexpr (C::kSetMaxNReg) setmaxnreg_dec<C::kProducerRegs>();
+    producer<kCtaQ, kWG, kStages>(p, sm);
+  } else {
+    if constexpr (C::kSetMaxNReg) setmaxnreg_inc<C::kConsumerRegs>();
+    consumer<kCtaQ, kWG, kStages>(p, sm);
+  }
+#endif  // PW_SM90_DEVICE_CODE
+}
+
+// ------------------------------------------------------------------------------------------------ host side
+constexpr int kMaxDevices = 64;
+
+// Is this build's kernel usable on `device`? Device must be compute capability 9.0 and the kernel binary sm_90
+// with the sm_90a body (it alone declares static shared memory). Cached per device id.
+template <int kCtaQ, int kWG, int kStages>
+static int check_arch(int device) {
+  static std::atomic<int> cache[kMaxDevices];  // 0 unknown, 1 usable, 2 not usable
+  if (device >= 0 && device < kMaxDevices) {
+    const int c = cache[device].load(std::memory_order_acquire);
+    if (c == 1) return 0;
+    if (c == 2) return ERR_NOT_SM90;
+  }
+  int major = 0, minor = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  bool usable = (major == 9 && minor == 0);
+  if (usable) {
+    cudaFuncAttributes attr;
+    e = cudaFuncGetAttributes(&attr, pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, kStages>);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();  // no kernel image for this device: clear it, report our own code
+      usable = false;
+    } else {
+      usable = attr.binaryVersion / 10 == 9 && attr.sharedSizeBytes > 0;  // sm_90 code with the real body
+    }
+  }
+  if (device >= 0 && device < kMaxDevices) cache[device].store(usable ? 1 : 2, std::memory_order_release);
+  return usable ? 0 : ERR_NOT_SM90;
+}
+
+// Opt the kernel into > 48 KB of dynamic shared memory once per device (a static flag per device id).
+template <int kCtaQ, int kWG, int kStages>
+static int ensure_smem(int device) {
+  static std::atomic<int> done[kMaxDevices];
+  constexpr int bytes = static_cast<int>(Cfg<kCtaQ, kWG, kStages>::kSmemBytes);
+  if (device >= 0 && device < kMaxDevices && done[device].load(std::memory_order_acquire)) return 0;
+  int optin = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  // The static barriers (< 128 B) come on top of the dynamic bytes.
+  if (optin < bytes + 128) return ERR_SMEM_UNAVAILABLE;
+  e = cudaFuncSetAttribute(pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, kStages>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  if (device >= 0 && device < kMaxDevices) done[device].store(1, std::memory_order_release);
+  return 0;
+}
+
+template <int kCtaQ, int kWG, int kStages>
+static int launch(const Params& p, int grid_tiles, int device, cudaStream_t stream) {
+  using C = Cfg<kCtaQ, kWG, kStages>;
+  int rc = check_arch<kCtaQ, kWG, kStages>(device);
+  if (rc != 0) return rc;
+  if (grid_tiles == 0) return OK;  // nothing to launch
+  rc = ensure_smem<kCtaQ, kWG, kStages>(device);
+  if (rc != 0) return rc;
+  const dim3 grid(static_cast<unsigned>(grid_tiles), static_cast<unsigned>(p.num_kv_heads), 1);
+  pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, kStages><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}
+
+}  // namespace pw_prefill_sm90
+
+// Same parameter list and semantics as pw_prefill_hd256_bf16 (prefill_hd256.cu). Returns -12 (launching
+// nothing) when the current device is not compute capability 9.0 or this library's kernel is not the sm_90a
+// build; that check comes after the argument checks and before the grid_tiles == 0 early return.
+extern "C" int pw_prefill_hd256_bf16_sm90(const void* q, void* out, float* lse, const void* pool,
+                                          long long k_offset, long long v_offset, long long page_stride,
+                                          int page_size, int num_qo_heads, int num_kv_heads,
+                                          const int* page_indices, const int* page_indptr,
+                                          const int* last_page_len, const int* qo_indptr,
+                                          const int* request_indices, const int* qo_tile_indices,
+                                          const int* plan_scalars, int grid_tiles, int cta_tile_q, float sm_scale,
+                                          int window_left, void* stream) {
+  using namespace pw_prefill_sm90;
+  if (q == nullptr || out == nullptr || pool == nullptr || page_indices == nullptr || page_indptr == nullptr ||
+      last_page_len == nullptr || qo_indptr == nullptr || request_indices == nullptr ||
+      qo_tile_indices == nullptr || plan_scalars == nullptr)
+    return ERR_NULL_POINTER;
+  if (page_size < 1 || num_qo_heads < 1 || num_kv_heads < 1 || page_stride < 1 || grid_tiles < 0)
+    return ERR_NONPOSITIVE_SIZE;
+  if (k_offset < 0 || v_offset < 0) return ERR_NEGATIVE_OFFSET;
+  if (num_qo_heads % num_kv_heads != 0) return ERR_HEAD_RATIO;
+  if (num_kv_heads > 65535 || num_qo_heads > (0x7fffffff / kHeadDim)) return ERR_TOO_LARGE;
+  if (!(sm_scale > 0.f) || !isfinite(sm_scale)) return ERR_BAD_SCALE;
+  if (window_left < -1) return ERR_BAD_WINDOW;
+  if (((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(pool)) &
+       15u) != 0 ||
+      (reinterpret_cast<uintptr_t>(lse) & 3u) != 0 || ((k_offset | v_offset | page_stride) & 7) != 0)
+    return ERR_MISALIGNED;
+  if (cta_tile_q != 16 && cta_tile_q != 64 && cta_tile_q != 128) return ERR_UNSUPPORTED_TILE;
+
+  Params p;
+  p.q = static_cast<const __nv_bfloat16*>(q);
+  p.out = static_cast<__nv_bfloat16*>(out);
+  p.lse = lse;
+  p.pool = static_cast<const __nv_bfloat16*>(pool);
+  p.k_offset = k_offset;
+  p.v_offset = v_offset;
+  p.page_stride = page_stride;
+  p.page_indices = page_indices;
+  p.page_indptr = page_indptr;
+  p.last_page_len = last_page_len;
+  p.qo_indptr = qo_indptr;
+  p.request_indices = request_indices;
+  p.qo_tile_indices = qo_tile_indices;
+  p.plan_scalars = plan_scalars;
+  p.page_size = page_size;
+  p.num_qo_heads = num_qo_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.group = num_qo_heads / num_kv_heads;
+  p.window_left = window_left;
+  p.scale_log2 = sm_scale * 1.4426950408889634f;
+
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  switch (cta_tile_q) {
+    case 16:
+      return launch<16, 1, 2>(p, grid_tiles, device, s);
+    case 64:
+      return launch<64, 1, 2>(p, grid_tiles, device, s);
+    default:  // 128
+      return launch<128, 2, 2>(p, grid_tiles, device, s);
+  }
+}
+
+// Human-readable name of a status code returned by pw_prefill_hd256_bf16_sm90.
+extern "C" const char* pw_prefill_hd256_sm90_error_string(int code) {
+  using namespace pw_prefill_sm90;
+  switch (code) {
+    case OK: return "ok";
+    case ERR_NULL_POINTER: return "a required pointer is NULL";
+    case ERR_NONPOSITIVE_SIZE:
+      return "page_size, num_qo_heads, num_kv_heads or page_stride < 1, or grid_tiles < 0";
+    case ERR_HEAD_RATIO: return "num_qo_heads is not a multiple of num_kv_heads";
+    case ERR_UNSUPPORTED_TILE: return "cta_tile_q is not 16, 64 or 128";
+    case ERR_MISALIGNED:
+      return "q/out/pool not 16-byte aligned, lse not 4-byte aligned, or an offset/stride not a multiple of 8";
+    case ERR_BAD_SCALE: return "sm_scale is not finite and > 0";
+    case ERR_BAD_WINDOW: return "window_left < -1";
+    case ERR_NEGATIVE_OFFSET: return "k_offset or v_offset < 0";
+    case ERR_SMEM_UNAVAILABLE: return "the device cannot provide the shared memory this tile needs";
+    case ERR_TOO_LARGE: return "num_kv_heads > 65535 or num_qo_heads * 256 past int32";
+    case ERR_NOT_SM90:
+      return "the sm_90 prefill kernel needs a compute capability 9.0 device and a library built for sm_90a";
+    default:
+      return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown pagedwindow status";
+  }
+}

@@ -346,3 +346,17 @@ def test_bench_plots(tmp_path):
     _saved(bench_plots.plot_throughput(res), tmp_path, "throughput")
     _saved(bench_plots.plot_speedup(res), tmp_path, "speedup")
     _saved(bench_plots.plot_errors(res, limit=2e-2), tmp_path, "errors")
+
+
+def test_bench_gate_trusts_the_runs_own_check_when_recorded(tmp_path):
+    def one(record):
+        path = tmp_path / "h200-2026-12-02.json"
+        base = {"system": "pagedwindow", "workload": "chunk_2048_on_6144", "ms": 0.12, "useful_tflops": 283.0}
+        path.write_text(json.dumps({"gpu": "NVIDIA H200", "peak_bf16_tflops": 800.0, "records": [{**base, **record}]}))
+        return bench_results.bench_gate(bench_results.load_results(path), max_err_limit=2e-2)
+
+    # one bf16 ulp at |out| ~ 4-8 passes the run's relative check although it is above the fallback limit
+    assert one({"max_abs_err": 0.03125, "err_bound": 0.05, "status": "ok"}) == []
+    assert "output check failed" in one({"max_abs_err": 0.03125, "err_bound": 0.02, "status": "ok"})[0]
+    assert "output check failed" in one({"max_abs_err": 0.5, "status": "wrong output (max abs err 5e-01)"})[0]
+    assert "not a finite number" in one({"max_abs_err": float("nan"), "status": "ok"})[0]

@@ -286,7 +286,7 @@ def run_bench(out="benchmarks/results", workloads=None, systems=None, sweep=Fals
         want = reference_output(w, input_sets[0])
         for system in systems:
             record = {"system": system, "workload": w.name, "ms": None, "useful_tflops": None,
-                      "max_abs_err": None, "status": "ok"}
+                      "max_abs_err": None, "err_bound": None, "status": "ok"}
             if w.name not in WORKLOADS and system not in SWEEP_SYSTEMS:
                 record["status"] = "not run at sweep points"
                 records.append(record)
@@ -298,6 +298,7 @@ def run_bench(out="benchmarks/results", workloads=None, systems=None, sweep=Fals
                 err = (made[0][1]().float() - want).abs().max().item()
                 record["max_abs_err"] = err
                 bound = OUTPUT_TOLERANCE * want.abs().max().item()
+                record["err_bound"] = bound
                 if not err <= bound:
                     record["status"] = f"wrong output (max abs err {err:.3e} > {bound:.3e})"
                 else:

@@ -109,8 +109,10 @@ def summary_rows(results: BenchResults) -> list[dict]:
 
 
 def bench_gate(results: BenchResults, *, max_err_limit: float) -> list[str]:
-    """Failures (empty = pass): pagedwindow must be timed on every workload of the file, with a finite
-    ``max_abs_err <= max_err_limit`` against the reference."""
+    """Failures (empty = pass): pagedwindow must be timed on every workload of the file, and its output must have
+    passed the run's own check against the reference. Records carrying ``status`` (the bench's verdict under its
+    relative rule, with the reference in hand; ``err_bound`` when recorded) are judged by it; older records
+    without one by a finite ``max_abs_err <= max_err_limit``."""
     failures = []
     for w in results.workloads:
         r = results.record(w, "pagedwindow")
@@ -119,6 +121,13 @@ def bench_gate(results: BenchResults, *, max_err_limit: float) -> list[str]:
             failures.append(f"{w}: pagedwindow was not timed ({status})")
             continue
         err = r.get("max_abs_err")
-        if err is None or not math.isfinite(err) or err > max_err_limit:
+        if err is None or not math.isfinite(err):
+            failures.append(f"{w}: pagedwindow max_abs_err {err!r} is not a finite number")
+        elif "status" in r:
+            bound = r.get("err_bound")
+            if r["status"] != "ok" or (bound is not None and err > bound):
+                failures.append(f"{w}: pagedwindow output check failed in the run ({r['status']}, "
+                                f"max_abs_err {err:g}, bound {bound!r})")
+        elif err > max_err_limit:
             failures.append(f"{w}: pagedwindow max_abs_err {err!r} exceeds {max_err_limit:g}")
     return failures

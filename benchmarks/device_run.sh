@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the kernels, run the GPU suite, memcheck, the error table, the benchmark;
 # a short table last. Usage (repository root, on the device): bash benchmarks/device_run.sh [pytest paths...]
-# Env: SKIP_SUITE / SKIP_MEMCHECK / SKIP_BENCH=1 skip a step; BENCH_ARGS adds bench flags;
+# Env: SKIP_SUITE / SKIP_MMA_SYNC_SUITE / SKIP_MEMCHECK / SKIP_BENCH=1 skip a step; BENCH_ARGS adds bench flags;
 # VARIANTS="label:VAR=value,VAR=value:tile ..." times pagedwindow alone for each kernel variant (environment, e.g.
 # PAGEDWINDOW_PREFILL_KERNEL or PAGEDWINDOW_NVCC_FLAGS, and plan tile) after the main bench.
 # Results: $OUT/log.txt, the main bench's JSON/MD, and every bench file in $OUT/bench.tar.gz.
@@ -16,6 +16,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
 step() { echo; echo "### $*" | tee -a "$LOG"; }
+echo "PAGEDWINDOW_NVCC_FLAGS='${PAGEDWINDOW_NVCC_FLAGS:-}' PAGEDWINDOW_PREFILL_KERNEL='${PAGEDWINDOW_PREFILL_KERNEL:-}'" \
+  | tee -a "$LOG"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$LOG"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$LOG"
@@ -36,11 +38,12 @@ if [ "${SKIP_SUITE:-0}" != 1 ]; then
   step "GPU suite: pytest -m cuda ${*:-tests}"
   python3 -m pytest -q -m cuda -p no:cacheprovider --maxfail=5 "${@:-tests}" 2>&1 | tee -a "$LOG" | tail -25
   suite="rc=${PIPESTATUS[0]}: $(grep -E '(passed|failed|error)' "$LOG" | tail -1)"
-  step "GPU kernel suite again on the mma.sync kernel: PAGEDWINDOW_PREFILL_KERNEL=mma_sync"
-  PAGEDWINDOW_PREFILL_KERNEL=mma_sync python3 -m pytest -q -m cuda -p no:cacheprovider --maxfail=5 \
-    tests/test_cuda_kernels.py \
-    2>&1 | tee -a "$LOG" | tail -5
-  suite="$suite; mma_sync rc=${PIPESTATUS[0]}: $(grep -E '(passed|failed|error)' "$LOG" | tail -1)"
+  if [ "${SKIP_MMA_SYNC_SUITE:-0}" != 1 ]; then
+    step "GPU kernel suite again on the mma.sync kernel: PAGEDWINDOW_PREFILL_KERNEL=mma_sync"
+    PAGEDWINDOW_PREFILL_KERNEL=mma_sync python3 -m pytest -q -m cuda -p no:cacheprovider --maxfail=5 \
+      tests/test_cuda_kernels.py 2>&1 | tee -a "$LOG" | tail -5
+    suite="$suite; mma_sync rc=${PIPESTATUS[0]}: $(grep -E '(passed|failed|error)' "$LOG" | tail -1)"
+  fi
 fi
 t2=$(date +%s)
 memcheck="skipped"

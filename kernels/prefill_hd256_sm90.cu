@@ -50,13 +50,6 @@
 #define PW_SM90_WATCHDOG 1
 #endif
 
-// Producer address pipelining (1 = on, 0 = off, the default): each producer lane walks its key row's position,
-// page index and in-page slot incrementally (one division per CTA instead of one per tile) and loads the page
-// id of tile j+1 while tile j's copies are issued and in flight, so no tile's cp.asyncs wait on a page-id load;
-// the page id of tile 0 is loaded before Q is issued, and Q's (token, head) per row is walked the same way.
-#ifndef PW_SM90_PREFETCH_PAGES
-#define PW_SM90_PREFETCH_PAGES 0
-#endif
 
 namespace pw_prefill_sm90 {
 
@@ -421,7 +414,6 @@ __device__ __forceinline__ void producer(const Params& p, const Smem<kCtaQ, kWG,
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
 
-#if PW_SM90_PREFETCH_PAGES
   // Key row 16*warp + (lane & 15) of every tile (lanes 0..15 own a row; lanes 16..31 carry a copy that is never
   // used): pos = pi * page_size + slot with 0 <= slot < page_size, advanced by kKvTile per tile without a
   // division (slot + step_slot <= 2 page_size - 2, so one conditional subtraction restores the invariant).
@@ -432,7 +424,7 @@ __device__ __forceinline__ void producer(const Params& p, const Smem<kCtaQ, kWG,
   int slot = pos - pi * ps;
   const int step_pi = kKvTile / ps;
   const int step_slot = kKvTile - step_pi * ps;
-  // Same test as the non-pipelined path: a row outside [kv_lo, kv_hi) is zero-filled and its page never read.
+  // A row outside [kv_lo, kv_hi) is zero-filled and its page never read.
   auto row_valid = [&](int x) { return lane < 16 && x >= t.kv_lo && x < t.kv_hi; };
   int page = 0;  // page id of the current tile's row (valid rows only), loaded one tile ahead
   if (row_valid(pos)) page = __ldg(pages + pi);  // tile 0: in flight while Q is issued
@@ -464,23 +456,6 @@ __device__ __forceinline__ void producer(const Params& p, const Smem<kCtaQ, kWG,
     }
   }
   cp_async_mbar_arrive(sm.q_full());
-#else
-  // ---- Q tile (rows past rows_valid zero-filled)
-#pragma unroll 4
-  for (int it = 0; it < C::kRowsQ / 4; ++it) {
-    const int r = warp + 4 * it;
-    const bool valid = r < t.rows_valid;
-    const void* src = p.q;
-    if (valid) {
-      const int pr = t.row0 + r;
-      const int tok = pr / p.group;
-      const int head = kv_head * p.group + (pr - tok * p.group);
-      src = p.q + (static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head) * kHeadDim + lane * 8;
-    }
-    cp_async_16(sm.q + sw128<C::kRowsQ>(r, lane), src, valid ? 16 : 0);
-  }
-  cp_async_mbar_arrive(sm.q_full());
-#endif
 
   // ---- K/V tiles
 #pragma unroll 1
@@ -490,7 +465,6 @@ __device__ __forceinline__ void producer(const Params& p, const Smem<kCtaQ, kWG,
     // Pool offset of key row 16*warp + lane (lanes 0..15; -1: outside [kv_lo, kv_hi), zero-filled). The page
     // lookup happens before the wait, to hide its latency.
     long long off = -1;
-#if PW_SM90_PREFETCH_PAGES
     // `page` was loaded one tile ago (or before Q for tile 0). Then step to tile j+1 and load its page id now:
     // it is in flight while this tile's barriers are waited on and its K/V copies issued.
     if (row_valid(pos)) {
@@ -505,18 +479,6 @@ __device__ __forceinline__ void producer(const Params& p, const Smem<kCtaQ, kWG,
       ++pi;
     }
     if (row_valid(pos)) page = __ldg(pages + pi);  // tile j+1 (never past kv_hi: no read beyond the last tile)
-#else
-    {
-      const int pos = t.kv_start + j * kKvTile + warp * 16 + lane;
-      if (lane < 16 && pos >= t.kv_lo && pos < t.kv_hi) {
-        const int pi = pos / p.page_size;
-        const int slot = pos - pi * p.page_size;
-        const int page = __ldg(p.page_indices + t.page_base + pi);
-        off = static_cast<long long>(page) * p.page_stride +
-              static_cast<long long>(slot * p.num_kv_heads + kv_head) * kHeadDim;
-      }
-    }
-#endif
     mbar_wait<true>(sm.empty_k(s), empty_parity);
     issue_kv_rows(sm.k + s * kKvBytes, p.pool + p.k_offset + lane * 8, p.pool, off, warp, lane);
     cp_async_mbar_arrive(sm.full_k(s));

@@ -34,6 +34,8 @@
 #include <math.h>
 #include <atomic>
 
+#include "prefill_launch.cuh"  // status codes, PwPrefillParams, argument checks
+
 // K/V buffering of the 64-row tile: 0 = choose per device (default), 1 or 2 = force.
 #ifndef PW_PREFILL_KV_STAGES
 #define PW_PREFILL_KV_STAGES 0
@@ -42,54 +44,16 @@
 #error "PW_PREFILL_KV_STAGES must be 0 (auto), 1 or 2"
 #endif
 
-// ---------------------------------------------------------------------------------------------------------
-// Error codes (negative: argument errors found before any launch; positive: a cudaError_t).
-// ---------------------------------------------------------------------------------------------------------
-enum PwPrefillStatus {
-  PW_PREFILL_OK = 0,
-  PW_PREFILL_ERR_NULL_POINTER = -1,      // a required pointer is NULL
-  PW_PREFILL_ERR_NONPOSITIVE_SIZE = -2,  // page_size, num_qo_heads, num_kv_heads, page_stride < 1 or grid_tiles < 0
-  PW_PREFILL_ERR_HEAD_RATIO = -3,        // num_qo_heads % num_kv_heads != 0
-  PW_PREFILL_ERR_UNSUPPORTED_TILE = -4,  // cta_tile_q not in {16, 64, 128}
-  PW_PREFILL_ERR_MISALIGNED = -5,        // q/out/pool not 16-byte aligned, lse not 4-byte aligned,
-                                         // or k_offset/v_offset/page_stride not a multiple of 8 elements
-  PW_PREFILL_ERR_BAD_SCALE = -6,         // sm_scale not finite or not > 0
-  PW_PREFILL_ERR_BAD_WINDOW = -7,        // window_left < -1
-  PW_PREFILL_ERR_NEGATIVE_OFFSET = -9,   // k_offset or v_offset < 0
-  PW_PREFILL_ERR_SMEM_UNAVAILABLE = -10, // the device cannot give this tile the shared memory it needs
-  PW_PREFILL_ERR_TOO_LARGE = -11,        // num_kv_heads > 65535 (grid y) or num_qo_heads * 256 past int32
-};
 
 namespace pw_prefill {
 
-constexpr int kHeadDim = 256;
+constexpr int kHeadDim = kPwPrefillHeadDim;
 constexpr int kKvTile = 64;                   // keys per KV tile
 constexpr int kRowBytes = kHeadDim * 2;       // 512 bytes per bf16 row
 constexpr int kChunksPerRow = kRowBytes / 16; // 32 sixteen-byte chunks: one warp copies one row per step
 static_assert(kChunksPerRow == 32, "the loaders map one lane to one 16-byte chunk of a row");
 
-struct Params {
-  const __nv_bfloat16* q;
-  __nv_bfloat16* out;
-  float* lse;
-  const __nv_bfloat16* pool;
-  long long k_offset;
-  long long v_offset;
-  long long page_stride;
-  const int* page_indices;
-  const int* page_indptr;
-  const int* last_page_len;
-  const int* qo_indptr;
-  const int* request_indices;
-  const int* qo_tile_indices;
-  const int* plan_scalars;
-  int page_size;
-  int num_qo_heads;
-  int num_kv_heads;
-  int group;
-  int window_left;
-  float scale_log2;  // sm_scale * log2(e)
-};
+using Params = PwPrefillParams;
 
 // ------------------------------------------------------------------------------------------------ PTX helpers
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -547,45 +511,13 @@ extern "C" int pw_prefill_hd256_bf16(const void* q, void* out, float* lse, const
                                      const int* qo_tile_indices, const int* plan_scalars, int grid_tiles,
                                      int cta_tile_q, float sm_scale, int window_left, void* stream) {
   using namespace pw_prefill;
-  if (q == nullptr || out == nullptr || pool == nullptr || page_indices == nullptr || page_indptr == nullptr ||
-      last_page_len == nullptr || qo_indptr == nullptr || request_indices == nullptr ||
-      qo_tile_indices == nullptr || plan_scalars == nullptr)
-    return PW_PREFILL_ERR_NULL_POINTER;
-  if (page_size < 1 || num_qo_heads < 1 || num_kv_heads < 1 || page_stride < 1 || grid_tiles < 0)
-    return PW_PREFILL_ERR_NONPOSITIVE_SIZE;
-  if (k_offset < 0 || v_offset < 0) return PW_PREFILL_ERR_NEGATIVE_OFFSET;
-  if (num_qo_heads % num_kv_heads != 0) return PW_PREFILL_ERR_HEAD_RATIO;
-  if (num_kv_heads > 65535 || num_qo_heads > (0x7fffffff / kHeadDim)) return PW_PREFILL_ERR_TOO_LARGE;
-  if (!(sm_scale > 0.f) || !isfinite(sm_scale)) return PW_PREFILL_ERR_BAD_SCALE;
-  if (window_left < -1) return PW_PREFILL_ERR_BAD_WINDOW;
-  if (((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(pool)) &
-       15u) != 0 ||
-      (reinterpret_cast<uintptr_t>(lse) & 3u) != 0 || ((k_offset | v_offset | page_stride) & 7) != 0)
-    return PW_PREFILL_ERR_MISALIGNED;
-  if (cta_tile_q != 16 && cta_tile_q != 64 && cta_tile_q != 128) return PW_PREFILL_ERR_UNSUPPORTED_TILE;
-  if (grid_tiles == 0) return PW_PREFILL_OK;  // nothing to launch
-
   Params p;
-  p.q = static_cast<const __nv_bfloat16*>(q);
-  p.out = static_cast<__nv_bfloat16*>(out);
-  p.lse = lse;
-  p.pool = static_cast<const __nv_bfloat16*>(pool);
-  p.k_offset = k_offset;
-  p.v_offset = v_offset;
-  p.page_stride = page_stride;
-  p.page_indices = page_indices;
-  p.page_indptr = page_indptr;
-  p.last_page_len = last_page_len;
-  p.qo_indptr = qo_indptr;
-  p.request_indices = request_indices;
-  p.qo_tile_indices = qo_tile_indices;
-  p.plan_scalars = plan_scalars;
-  p.page_size = page_size;
-  p.num_qo_heads = num_qo_heads;
-  p.num_kv_heads = num_kv_heads;
-  p.group = num_qo_heads / num_kv_heads;
-  p.window_left = window_left;
-  p.scale_log2 = sm_scale * 1.4426950408889634f;
+  const int status = pw_prefill_prepare(q, out, lse, pool, k_offset, v_offset, page_stride, page_size, num_qo_heads,
+                                        num_kv_heads, page_indices, page_indptr, last_page_len, qo_indptr,
+                                        request_indices, qo_tile_indices, plan_scalars, grid_tiles, cta_tile_q,
+                                        sm_scale, window_left, &p);
+  if (status != PW_PREFILL_OK) return status;
+  if (grid_tiles == 0) return PW_PREFILL_OK;  // nothing to launch
 
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   int device = 0;
@@ -612,22 +544,4 @@ extern "C" int pw_prefill_hd256_bf16(const void* q, void* out, float* lse, const
 }
 
 // Human-readable name of a status code returned by pw_prefill_hd256_bf16.
-extern "C" const char* pw_prefill_hd256_error_string(int code) {
-  switch (code) {
-    case PW_PREFILL_OK: return "ok";
-    case PW_PREFILL_ERR_NULL_POINTER: return "a required pointer is NULL";
-    case PW_PREFILL_ERR_NONPOSITIVE_SIZE:
-      return "page_size, num_qo_heads, num_kv_heads or page_stride < 1, or grid_tiles < 0";
-    case PW_PREFILL_ERR_HEAD_RATIO: return "num_qo_heads is not a multiple of num_kv_heads";
-    case PW_PREFILL_ERR_UNSUPPORTED_TILE: return "cta_tile_q is not 16, 64 or 128";
-    case PW_PREFILL_ERR_MISALIGNED:
-      return "q/out/pool not 16-byte aligned, lse not 4-byte aligned, or an offset/stride not a multiple of 8";
-    case PW_PREFILL_ERR_BAD_SCALE: return "sm_scale is not finite and > 0";
-    case PW_PREFILL_ERR_BAD_WINDOW: return "window_left < -1";
-    case PW_PREFILL_ERR_NEGATIVE_OFFSET: return "k_offset or v_offset < 0";
-    case PW_PREFILL_ERR_SMEM_UNAVAILABLE: return "the device cannot provide the shared memory this tile needs";
-    case PW_PREFILL_ERR_TOO_LARGE: return "num_kv_heads > 65535 or num_qo_heads * 256 past int32";
-    default:
-      return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown pagedwindow status";
-  }
-}
+extern "C" const char* pw_prefill_hd256_error_string(int code) { return pw_prefill_status_string(code); }

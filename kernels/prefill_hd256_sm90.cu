@@ -1,7 +1,7 @@
 // pagedwindow: windowed paged prefill attention, head_dim 256, bf16 in/out -- Hopper (sm_90a) wgmma path.
 //
 // Same semantics, arguments, plan arrays and error codes as pw_prefill_hd256_bf16 (prefill_hd256.cu), plus
-// -12 (ERR_NOT_SM90): this library was not built for sm_90a, or the current device is not 9.0.
+// -12 (PW_PREFILL_ERR_NOT_SM90): this library was not built for sm_90a, or the current device is not 9.0.
 //
 //   query row j of request r sits at KV position q_pos = kv_len_r - seq_r + j (bottom-right causal);
 //   key k (0 <= k < kv_len_r) is visible iff k <= q_pos and (window_left < 0 or q_pos - k <= window_left).
@@ -45,6 +45,8 @@
 #include <math.h>
 #include <atomic>
 
+#include "prefill_launch.cuh"  // status codes, PwPrefillParams, argument checks
+
 // Device-side watchdog on every mbarrier wait (1 = on, 0 = off): see mbar_wait.
 #ifndef PW_SM90_WATCHDOG
 #define PW_SM90_WATCHDOG 1
@@ -53,53 +55,13 @@
 
 namespace pw_prefill_sm90 {
 
-// ---------------------------------------------------------------------------------------------------------
-// Error codes: identical to prefill_hd256.cu, plus -12.
-// ---------------------------------------------------------------------------------------------------------
-enum Status {
-  OK = 0,
-  ERR_NULL_POINTER = -1,      // a required pointer is NULL
-  ERR_NONPOSITIVE_SIZE = -2,  // page_size, num_qo_heads, num_kv_heads, page_stride < 1 or grid_tiles < 0
-  ERR_HEAD_RATIO = -3,        // num_qo_heads % num_kv_heads != 0
-  ERR_UNSUPPORTED_TILE = -4,  // cta_tile_q not in {16, 64, 128}
-  ERR_MISALIGNED = -5,        // q/out/pool not 16-byte aligned, lse not 4-byte aligned,
-                              // or k_offset/v_offset/page_stride not a multiple of 8 elements
-  ERR_BAD_SCALE = -6,         // sm_scale not finite or not > 0
-  ERR_BAD_WINDOW = -7,        // window_left < -1
-  ERR_NEGATIVE_OFFSET = -9,   // k_offset or v_offset < 0
-  ERR_SMEM_UNAVAILABLE = -10, // the device cannot give this tile the shared memory it needs
-  ERR_TOO_LARGE = -11,        // num_kv_heads > 65535 (grid y) or num_qo_heads * 256 past int32
-  ERR_NOT_SM90 = -12,         // library not built for sm_90a, or the current device is not compute capability 9.0
-};
 
-constexpr int kHeadDim = 256;
 constexpr int kKvTile = 64;                        // keys per KV tile
 constexpr uint32_t kKvBytes = kKvTile * 512;       // one K or V tile: 32 KB
 constexpr int kProducerThreads = 128;
 
 
-struct Params {
-  const __nv_bfloat16* q;
-  __nv_bfloat16* out;
-  float* lse;
-  const __nv_bfloat16* pool;
-  long long k_offset;
-  long long v_offset;
-  long long page_stride;
-  const int* page_indices;
-  const int* page_indptr;
-  const int* last_page_len;
-  const int* qo_indptr;
-  const int* request_indices;
-  const int* qo_tile_indices;
-  const int* plan_scalars;
-  int page_size;
-  int num_qo_heads;
-  int num_kv_heads;
-  int group;
-  int window_left;
-  float scale_log2;  // sm_scale * log2(e)
-};
+using Params = PwPrefillParams;
 
 // Compile-time configuration of one kernel instantiation.
 template <int kCtaQ, int kWG, int kStages>
@@ -444,7 +406,7 @@ __device__ __forceinline__ void producer(const Params& p, const Smem<kCtaQ, kWG,
       const void* src = p.q;
       if (valid) {
         const int head = kv_head * grp + hg;
-        src = p.q + (static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head) * kHeadDim + lane * 8;
+        src = p.q + (static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head) * kPwPrefillHeadDim + lane * 8;
       }
       cp_async_16(sm.q + sw128<C::kRowsQ>(r, lane), src, valid ? 16 : 0);
       tok += step_tok;
@@ -469,7 +431,7 @@ __device__ __forceinline__ void producer(const Params& p, const Smem<kCtaQ, kWG,
     // it is in flight while this tile's barriers are waited on and its K/V copies issued.
     if (row_valid(pos)) {
       off = static_cast<long long>(page) * p.page_stride +
-            static_cast<long long>(slot * p.num_kv_heads + kv_head) * kHeadDim;
+            static_cast<long long>(slot * p.num_kv_heads + kv_head) * kPwPrefillHeadDim;
     }
     pos += kKvTile;
     pi += step_pi;
@@ -760,7 +722,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG,
       const int head = kv_head * group + (pr - tok * group);
       const uint4 v = ld_shared_v4(sm.q + sw128<C::kRowsQ>(r, lane));
       __nv_bfloat16* dst =
-          p.out + (static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head) * kHeadDim + lane * 8;
+          p.out + (static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head) * kPwPrefillHeadDim + lane * 8;
       *reinterpret_cast<uint4*>(dst) = v;
     }
   }
@@ -815,7 +777,7 @@ static int check_arch(int device) {
   if (device >= 0 && device < kMaxDevices) {
     const int c = cache[device].load(std::memory_order_acquire);
     if (c == 1) return 0;
-    if (c == 2) return ERR_NOT_SM90;
+    if (c == 2) return PW_PREFILL_ERR_NOT_SM90;
   }
   int major = 0, minor = 0;
   cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
@@ -833,7 +795,7 @@ static int check_arch(int device) {
     }
   }
   if (device >= 0 && device < kMaxDevices) cache[device].store(usable ? 1 : 2, std::memory_order_release);
-  return usable ? 0 : ERR_NOT_SM90;
+  return usable ? 0 : PW_PREFILL_ERR_NOT_SM90;
 }
 
 // Opt the kernel into > 48 KB of dynamic shared memory once per device (a static flag per device id).
@@ -846,7 +808,7 @@ static int ensure_smem(int device) {
   cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (e != cudaSuccess) return static_cast<int>(e);
   // The static barriers (< 128 B) come on top of the dynamic bytes.
-  if (optin < bytes + 128) return ERR_SMEM_UNAVAILABLE;
+  if (optin < bytes + 128) return PW_PREFILL_ERR_SMEM_UNAVAILABLE;
   e = cudaFuncSetAttribute(pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, kStages>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e != cudaSuccess) return static_cast<int>(e);
@@ -859,7 +821,7 @@ static int launch(const Params& p, int grid_tiles, int device, cudaStream_t stre
   using C = Cfg<kCtaQ, kWG, kStages>;
   int rc = check_arch<kCtaQ, kWG, kStages>(device);
   if (rc != 0) return rc;
-  if (grid_tiles == 0) return OK;  // nothing to launch
+  if (grid_tiles == 0) return PW_PREFILL_OK;  // nothing to launch
   rc = ensure_smem<kCtaQ, kWG, kStages>(device);
   if (rc != 0) return rc;
   const dim3 grid(static_cast<unsigned>(grid_tiles), static_cast<unsigned>(p.num_kv_heads), 1);
@@ -881,44 +843,12 @@ extern "C" int pw_prefill_hd256_bf16_sm90(const void* q, void* out, float* lse, 
                                           const int* plan_scalars, int grid_tiles, int cta_tile_q, float sm_scale,
                                           int window_left, void* stream) {
   using namespace pw_prefill_sm90;
-  if (q == nullptr || out == nullptr || pool == nullptr || page_indices == nullptr || page_indptr == nullptr ||
-      last_page_len == nullptr || qo_indptr == nullptr || request_indices == nullptr ||
-      qo_tile_indices == nullptr || plan_scalars == nullptr)
-    return ERR_NULL_POINTER;
-  if (page_size < 1 || num_qo_heads < 1 || num_kv_heads < 1 || page_stride < 1 || grid_tiles < 0)
-    return ERR_NONPOSITIVE_SIZE;
-  if (k_offset < 0 || v_offset < 0) return ERR_NEGATIVE_OFFSET;
-  if (num_qo_heads % num_kv_heads != 0) return ERR_HEAD_RATIO;
-  if (num_kv_heads > 65535 || num_qo_heads > (0x7fffffff / kHeadDim)) return ERR_TOO_LARGE;
-  if (!(sm_scale > 0.f) || !isfinite(sm_scale)) return ERR_BAD_SCALE;
-  if (window_left < -1) return ERR_BAD_WINDOW;
-  if (((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(pool)) &
-       15u) != 0 ||
-      (reinterpret_cast<uintptr_t>(lse) & 3u) != 0 || ((k_offset | v_offset | page_stride) & 7) != 0)
-    return ERR_MISALIGNED;
-  if (cta_tile_q != 16 && cta_tile_q != 64 && cta_tile_q != 128) return ERR_UNSUPPORTED_TILE;
-
   Params p;
-  p.q = static_cast<const __nv_bfloat16*>(q);
-  p.out = static_cast<__nv_bfloat16*>(out);
-  p.lse = lse;
-  p.pool = static_cast<const __nv_bfloat16*>(pool);
-  p.k_offset = k_offset;
-  p.v_offset = v_offset;
-  p.page_stride = page_stride;
-  p.page_indices = page_indices;
-  p.page_indptr = page_indptr;
-  p.last_page_len = last_page_len;
-  p.qo_indptr = qo_indptr;
-  p.request_indices = request_indices;
-  p.qo_tile_indices = qo_tile_indices;
-  p.plan_scalars = plan_scalars;
-  p.page_size = page_size;
-  p.num_qo_heads = num_qo_heads;
-  p.num_kv_heads = num_kv_heads;
-  p.group = num_qo_heads / num_kv_heads;
-  p.window_left = window_left;
-  p.scale_log2 = sm_scale * 1.4426950408889634f;
+  const int status = pw_prefill_prepare(q, out, lse, pool, k_offset, v_offset, page_stride, page_size, num_qo_heads,
+                                        num_kv_heads, page_indices, page_indptr, last_page_len, qo_indptr,
+                                        request_indices, qo_tile_indices, plan_scalars, grid_tiles, cta_tile_q,
+                                        sm_scale, window_left, &p);
+  if (status != PW_PREFILL_OK) return status;
 
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   int device = 0;
@@ -935,25 +865,4 @@ extern "C" int pw_prefill_hd256_bf16_sm90(const void* q, void* out, float* lse, 
 }
 
 // Human-readable name of a status code returned by pw_prefill_hd256_bf16_sm90.
-extern "C" const char* pw_prefill_hd256_sm90_error_string(int code) {
-  using namespace pw_prefill_sm90;
-  switch (code) {
-    case OK: return "ok";
-    case ERR_NULL_POINTER: return "a required pointer is NULL";
-    case ERR_NONPOSITIVE_SIZE:
-      return "page_size, num_qo_heads, num_kv_heads or page_stride < 1, or grid_tiles < 0";
-    case ERR_HEAD_RATIO: return "num_qo_heads is not a multiple of num_kv_heads";
-    case ERR_UNSUPPORTED_TILE: return "cta_tile_q is not 16, 64 or 128";
-    case ERR_MISALIGNED:
-      return "q/out/pool not 16-byte aligned, lse not 4-byte aligned, or an offset/stride not a multiple of 8";
-    case ERR_BAD_SCALE: return "sm_scale is not finite and > 0";
-    case ERR_BAD_WINDOW: return "window_left < -1";
-    case ERR_NEGATIVE_OFFSET: return "k_offset or v_offset < 0";
-    case ERR_SMEM_UNAVAILABLE: return "the device cannot provide the shared memory this tile needs";
-    case ERR_TOO_LARGE: return "num_kv_heads > 65535 or num_qo_heads * 256 past int32";
-    case ERR_NOT_SM90:
-      return "the sm_90 prefill kernel needs a compute capability 9.0 device and a library built for sm_90a";
-    default:
-      return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown pagedwindow status";
-  }
-}
+extern "C" const char* pw_prefill_hd256_sm90_error_string(int code) { return pw_prefill_status_string(code); }

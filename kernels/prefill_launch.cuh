@@ -1,0 +1,121 @@
+// pagedwindow: what both head_dim-256 prefill launchers share (prefill_hd256.cu, prefill_hd256_sm90.cu):
+// the status codes, the kernel parameter block, and the argument checks every launch passes first.
+// Host-side only; the kernels read PwPrefillParams by value.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+// Negative: an argument error found before any launch (nothing is written); positive: a cudaError_t.
+enum PwPrefillStatus {
+  PW_PREFILL_OK = 0,
+  PW_PREFILL_ERR_NULL_POINTER = -1,      // a required pointer is NULL (lse may be NULL)
+  PW_PREFILL_ERR_NONPOSITIVE_SIZE = -2,  // page_size, num_qo_heads, num_kv_heads, page_stride < 1 or grid_tiles < 0
+  PW_PREFILL_ERR_HEAD_RATIO = -3,        // num_qo_heads % num_kv_heads != 0
+  PW_PREFILL_ERR_UNSUPPORTED_TILE = -4,  // cta_tile_q not in {16, 64, 128}
+  PW_PREFILL_ERR_MISALIGNED = -5,        // q/out/pool not 16-byte aligned, lse not 4-byte aligned,
+                                         // or k_offset/v_offset/page_stride not a multiple of 8 elements
+  PW_PREFILL_ERR_BAD_SCALE = -6,         // sm_scale not finite or not > 0
+  PW_PREFILL_ERR_BAD_WINDOW = -7,        // window_left < -1
+  PW_PREFILL_ERR_NEGATIVE_OFFSET = -9,   // k_offset or v_offset < 0
+  PW_PREFILL_ERR_SMEM_UNAVAILABLE = -10, // the device cannot give this tile the shared memory it needs
+  PW_PREFILL_ERR_TOO_LARGE = -11,        // num_kv_heads > 65535 (grid y) or num_qo_heads * 256 past int32
+  PW_PREFILL_ERR_NOT_SM90 = -12,         // (sm_90 launcher) library not built for sm_90a, or device not 9.0
+};
+
+constexpr int kPwPrefillHeadDim = 256;
+
+struct PwPrefillParams {
+  const __nv_bfloat16* q;
+  __nv_bfloat16* out;
+  float* lse;
+  const __nv_bfloat16* pool;
+  long long k_offset;
+  long long v_offset;
+  long long page_stride;
+  const int* page_indices;
+  const int* page_indptr;
+  const int* last_page_len;
+  const int* qo_indptr;
+  const int* request_indices;
+  const int* qo_tile_indices;
+  const int* plan_scalars;
+  int page_size;
+  int num_qo_heads;
+  int num_kv_heads;
+  int group;
+  int window_left;
+  float scale_log2;  // sm_scale * log2(e)
+};
+
+// Check a launch's arguments (in the documented order) and fill `p`; returns a status (PW_PREFILL_OK or < 0).
+static inline int pw_prefill_prepare(const void* q, void* out, float* lse, const void* pool, long long k_offset,
+                                     long long v_offset, long long page_stride, int page_size, int num_qo_heads,
+                                     int num_kv_heads, const int* page_indices, const int* page_indptr,
+                                     const int* last_page_len, const int* qo_indptr, const int* request_indices,
+                                     const int* qo_tile_indices, const int* plan_scalars, int grid_tiles,
+                                     int cta_tile_q, float sm_scale, int window_left, PwPrefillParams* p) {
+  if (q == nullptr || out == nullptr || pool == nullptr || page_indices == nullptr || page_indptr == nullptr ||
+      last_page_len == nullptr || qo_indptr == nullptr || request_indices == nullptr ||
+      qo_tile_indices == nullptr || plan_scalars == nullptr)
+    return PW_PREFILL_ERR_NULL_POINTER;
+  if (page_size < 1 || num_qo_heads < 1 || num_kv_heads < 1 || page_stride < 1 || grid_tiles < 0)
+    return PW_PREFILL_ERR_NONPOSITIVE_SIZE;
+  if (k_offset < 0 || v_offset < 0) return PW_PREFILL_ERR_NEGATIVE_OFFSET;
+  if (num_qo_heads % num_kv_heads != 0) return PW_PREFILL_ERR_HEAD_RATIO;
+  if (num_kv_heads > 65535 || num_qo_heads > (0x7fffffff / kPwPrefillHeadDim)) return PW_PREFILL_ERR_TOO_LARGE;
+  if (!(sm_scale > 0.f) || !isfinite(sm_scale)) return PW_PREFILL_ERR_BAD_SCALE;
+  if (window_left < -1) return PW_PREFILL_ERR_BAD_WINDOW;
+  if (((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(pool)) &
+       15u) != 0 ||
+      (reinterpret_cast<uintptr_t>(lse) & 3u) != 0 || ((k_offset | v_offset | page_stride) & 7) != 0)
+    return PW_PREFILL_ERR_MISALIGNED;
+  if (cta_tile_q != 16 && cta_tile_q != 64 && cta_tile_q != 128) return PW_PREFILL_ERR_UNSUPPORTED_TILE;
+
+  p->q = static_cast<const __nv_bfloat16*>(q);
+  p->out = static_cast<__nv_bfloat16*>(out);
+  p->lse = lse;
+  p->pool = static_cast<const __nv_bfloat16*>(pool);
+  p->k_offset = k_offset;
+  p->v_offset = v_offset;
+  p->page_stride = page_stride;
+  p->page_indices = page_indices;
+  p->page_indptr = page_indptr;
+  p->last_page_len = last_page_len;
+  p->qo_indptr = qo_indptr;
+  p->request_indices = request_indices;
+  p->qo_tile_indices = qo_tile_indices;
+  p->plan_scalars = plan_scalars;
+  p->page_size = page_size;
+  p->num_qo_heads = num_qo_heads;
+  p->num_kv_heads = num_kv_heads;
+  p->group = num_qo_heads / num_kv_heads;
+  p->window_left = window_left;
+  p->scale_log2 = sm_scale * 1.4426950408889634f;
+  return PW_PREFILL_OK;
+}
+
+// Human-readable text of a status returned by either prefill launcher.
+static inline const char* pw_prefill_status_string(int code) {
+  switch (code) {
+    case PW_PREFILL_OK: return "ok";
+    case PW_PREFILL_ERR_NULL_POINTER: return "a required pointer is NULL";
+    case PW_PREFILL_ERR_NONPOSITIVE_SIZE:
+      return "page_size, num_qo_heads, num_kv_heads or page_stride < 1, or grid_tiles < 0";
+    case PW_PREFILL_ERR_HEAD_RATIO: return "num_qo_heads is not a multiple of num_kv_heads";
+    case PW_PREFILL_ERR_UNSUPPORTED_TILE: return "cta_tile_q is not 16, 64 or 128";
+    case PW_PREFILL_ERR_MISALIGNED:
+      return "q/out/pool not 16-byte aligned, lse not 4-byte aligned, or an offset/stride not a multiple of 8";
+    case PW_PREFILL_ERR_BAD_SCALE: return "sm_scale is not finite and > 0";
+    case PW_PREFILL_ERR_BAD_WINDOW: return "window_left < -1";
+    case PW_PREFILL_ERR_NEGATIVE_OFFSET: return "k_offset or v_offset < 0";
+    case PW_PREFILL_ERR_SMEM_UNAVAILABLE: return "the device cannot provide the shared memory this tile needs";
+    case PW_PREFILL_ERR_TOO_LARGE: return "num_kv_heads > 65535 or num_qo_heads * 256 past int32";
+    case PW_PREFILL_ERR_NOT_SM90:
+      return "the sm_90 prefill kernel needs a compute capability 9.0 device and a library built for sm_90a";
+    default:
+      return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown pagedwindow status";
+  }
+}

@@ -35,6 +35,7 @@
 #include <atomic>
 
 #include "prefill_launch.cuh"  // status codes, PwPrefillParams, argument checks
+#include "ptx_common.cuh"      // PTX helpers both prefill kernels use
 
 // K/V buffering of the 64-row tile: 0 = choose per device (default), 1 or 2 = force.
 #ifndef PW_PREFILL_KV_STAGES
@@ -47,6 +48,8 @@
 
 namespace pw_prefill {
 
+using namespace pw_ptx;
+
 constexpr int kHeadDim = kPwPrefillHeadDim;
 constexpr int kKvTile = 64;                   // keys per KV tile
 constexpr int kRowBytes = kHeadDim * 2;       // 512 bytes per bf16 row
@@ -56,20 +59,12 @@ static_assert(kChunksPerRow == 32, "the loaders map one lane to one 16-byte chun
 using Params = PwPrefillParams;
 
 // ------------------------------------------------------------------------------------------------ PTX helpers
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 // Byte offset of 16-byte chunk `chunk` (0..31) of row `row` in a swizzled 512-byte-row tile.
 __device__ __forceinline__ uint32_t swz(int row, int chunk) {
   return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
 }
 
-// 16-byte async copy global -> shared; src_bytes 0 writes 16 zero bytes and reads nothing.
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
-               : "memory");
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
@@ -95,29 +90,8 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) == +0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
-// Two floats -> bf16x2 (round to nearest even); `lo` goes to the low 16 bits (the lower column index).
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
 
-__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr)
-               : "memory");
-  return v;
-}
 
 // ------------------------------------------------------------------------------------------- KV tile loader
 // Warp w copies rows w, w + kWarps, w + 2*kWarps, ... of a 64-key tile; lane l copies chunk l of each row.

@@ -46,6 +46,7 @@
 #include <atomic>
 
 #include "prefill_launch.cuh"  // status codes, PwPrefillParams, argument checks
+#include "ptx_common.cuh"      // PTX helpers both prefill kernels use
 
 // Device-side watchdog on every mbarrier wait (1 = on, 0 = off): see mbar_wait.
 #ifndef PW_SM90_WATCHDOG
@@ -54,6 +55,8 @@
 
 
 namespace pw_prefill_sm90 {
+
+using namespace pw_ptx;
 
 
 constexpr int kKvTile = 64;                        // keys per KV tile
@@ -98,9 +101,6 @@ constexpr uint32_t kKvBlockBytes = kKvTile * 128;  // one 64-column block of a K
 constexpr int kBarSched = 1;
 constexpr int kBarEpilogue = 3;
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 // Byte offset of 16-byte chunk `chunk` (0..31) of row `row` in a tile of `rows` rows stored as four
 // 64-column SWIZZLE_128B blocks (block = chunk / 8, rows 128 B apart, chunk (chunk % 8) ^ (row % 8)).
@@ -109,11 +109,6 @@ __device__ __forceinline__ uint32_t sw128(int row, int chunk) {
   return static_cast<uint32_t>((chunk >> 3) * (kRows * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
 }
 
-// 16-byte async copy global -> shared; src_bytes 0 writes 16 zero bytes and reads nothing.
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
-               : "memory");
-}
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 // Arrive on the mbarrier once all of this thread's prior cp.async copies have landed (counts as one of the
 // barrier's expected arrivals: .noinc).
@@ -280,29 +275,8 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs_tb(float (&d)[128], uint32_t
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "n"(1));
 }
 
-__device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) == +0
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
-// Two floats -> bf16x2 (round to nearest even); `lo` goes to the low 16 bits (the lower column index).
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
 
-__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
-  uint4 v;
-  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "r"(addr)
-               : "memory");
-  return v;
-}
 
 // Producer: copy 16 rows of a 64-key tile (rows 16*pw .. 16*pw + 15; lane = 16-byte chunk). `off` holds, in
 // lane i < 16, the pool element offset of row 16*pw + i (or -1: outside [kv_lo, kv_hi), zero-filled).

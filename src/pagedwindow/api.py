@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import reference
-from .errors import PagedWindowError, checked_int
+from .errors import PagedWindowError
 from .layout import PagedGeometry, PagedKvLayout, checked_paged_geometry
 from .plan import PrefillPagedPlan
 from .semantics import check_sm_scale, check_window_left
@@ -167,13 +167,3 @@ def append_paged_kv(k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, layout
     else:
         reference.append_paged_kv(k, v, pool, geometry, plan)
 
-
-def total_visible_pairs(plan: PrefillPagedPlan, window_left: int) -> int:
-    """Visible (query, key) pairs per head summed over the batch: the useful-work count of a launch."""
-    window_left = check_window_left(window_left)
-    total = 0
-    for start, seq in zip(plan.start_positions, plan.seq_lens):
-        for j in range(seq):
-            q_pos = start + j
-            total += q_pos + 1 if window_left < 0 else min(q_pos, window_left) + 1
-    return checked_int("visible pairs", total)

@@ -15,7 +15,6 @@ capacity can find the live sizes on the device.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -463,7 +462,3 @@ class PrefillPagedPlan:
 
     __hash__ = None  # mutable (update)
 
-
-def pages_needed(kv_len: int, page_size: int) -> int:
-    """Pages covering ``kv_len`` tokens."""
-    return math.ceil(kv_len / page_size)

@@ -49,6 +49,24 @@ def require_transformers() -> None:
         raise PagedWindowError(f"pagedwindow.hf needs transformers >= 5.5, found {'.'.join(map(str, version))}")
 
 
+_registered_names: set[str] = set()
+
+
+def register_attention(name: str, attention_fn, mask_fn) -> str:
+    """Register ``attention_fn`` with ``AttentionInterface`` and ``mask_fn`` with ``AttentionMaskInterface`` under
+    ``name`` (idempotent). Both are needed: under a custom name without a mask function HF passes
+    ``attention_mask=None``, silently dropping the causal mask and the window."""
+    require_transformers()
+    if name not in _registered_names:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        AttentionInterface.register(name, attention_fn)
+        AttentionMaskInterface.register(name, mask_fn)
+        _registered_names.add(name)
+    return name
+
+
 def decoder(model):
     """The decoder stack (``Gemma4TextModel`` / ``Gemma3TextModel``) of a causal LM or of the stack itself."""
     base = getattr(model, "model", None)

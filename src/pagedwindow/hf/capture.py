@@ -19,10 +19,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import PagedWindowError
-from ._compat import attention_function, attention_modules, mask_function, require_transformers
+from ._compat import (
+    attention_function,
+    attention_modules,
+    mask_function,
+    register_attention,
+)
 
 CAPTURE_IMPL = "pagedwindow_capture"
-_registered = False
 _ACTIVE_IMPLS: dict = {}  # id(config) -> implementations of the capture running on that model
 
 
@@ -115,16 +119,7 @@ def _capture_attention(module, query, key, value, attention_mask, **kwargs):
 
 def register_capture() -> str:
     """Register the capturing attention function and its mask builder (idempotent); returns the name."""
-    global _registered
-    require_transformers()
-    if not _registered:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface
-
-        AttentionInterface.register(CAPTURE_IMPL, _capture_attention)
-        AttentionMaskInterface.register(CAPTURE_IMPL, _capture_mask)
-        _registered = True
-    return CAPTURE_IMPL
+    return register_attention(CAPTURE_IMPL, _capture_attention, _capture_mask)
 
 
 @torch.no_grad()

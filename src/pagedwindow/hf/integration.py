@@ -37,11 +37,10 @@ from dataclasses import dataclass
 import torch
 
 from .. import PagedWindowError, window_left_from_sliding_window
-from ._compat import attention_geometry, attention_modules, decoder, require_transformers
+from ._compat import attention_geometry, attention_modules, decoder, register_attention
 from .paged import PagedKvState
 
 ATTN_IMPL = "pagedwindow"
-_registered = False
 
 
 @dataclass(frozen=True)
@@ -96,16 +95,7 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
 
 def register() -> str:
     """Register the attention function and its mask builder under :data:`ATTN_IMPL` (idempotent)."""
-    global _registered
-    require_transformers()
-    if not _registered:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface
-
-        AttentionInterface.register(ATTN_IMPL, paged_attention_forward)
-        AttentionMaskInterface.register(ATTN_IMPL, paged_mask)
-        _registered = True
-    return ATTN_IMPL
+    return register_attention(ATTN_IMPL, paged_attention_forward, paged_mask)
 
 
 class PagedWindowSession:

@@ -35,6 +35,14 @@ def default_layer_types(num_layers: int) -> list[str]:
     return types
 
 
+def _layer_types(layer_types, num_layers: int) -> list[str]:
+    """The given layer types (one per layer) or the default mix."""
+    types = list(layer_types) if layer_types is not None else default_layer_types(num_layers)
+    if len(types) != num_layers:
+        raise PagedWindowError(f"layer_types has {len(types)} entries for num_layers = {num_layers}")
+    return types
+
+
 def _norm_uses_offset(norm: torch.nn.Module) -> bool:
     """Whether an RMSNorm scales by ``1 + weight`` (Gemma 3) rather than ``weight`` (Gemma 4): probe it."""
     with torch.no_grad():
@@ -115,9 +123,7 @@ def tiny_gemma4(seed: int = 0, *, sliding_window: int | None = 16, num_layers: i
     require_transformers()
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
-    types = list(layer_types) if layer_types is not None else default_layer_types(num_layers)
-    if len(types) != num_layers:
-        raise PagedWindowError(f"layer_types has {len(types)} entries for num_layers = {num_layers}")
+    types = _layer_types(layer_types, num_layers)
     kwargs = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
@@ -141,9 +147,7 @@ def tiny_gemma3(seed: int = 0, *, sliding_window: int = 16, num_layers: int = 4,
     require_transformers()
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    types = list(layer_types) if layer_types is not None else default_layer_types(num_layers)
-    if len(types) != num_layers:
-        raise PagedWindowError(f"layer_types has {len(types)} entries for num_layers = {num_layers}")
+    types = _layer_types(layer_types, num_layers)
     kwargs = dict(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,

@@ -44,11 +44,16 @@ def _resolve_backend(what: str, backend: str, plan: PrefillPagedPlan, *tensors: 
     return "cuda"
 
 
-def _check_plan_against_pool(what: str, plan: PrefillPagedPlan, geometry: PagedGeometry) -> None:
+def _check_plan(what: str, plan) -> None:
+    """A plan that can drive a launch: a PrefillPagedPlan that has been filled."""
     if not isinstance(plan, PrefillPagedPlan):
         raise PagedWindowError(f"{what}: plan must be a PrefillPagedPlan, got {type(plan).__name__}")
     if not plan.filled:
         raise PagedWindowError(f"{what}: the plan was preallocated but never filled: call plan.update(...) first")
+
+
+def _check_plan_against_pool(what: str, plan: PrefillPagedPlan, geometry: PagedGeometry) -> None:
+    """The plan's recorded bounds fit the pool (the kernels have no device-side bounds check)."""
     if plan.max_page_index >= geometry.num_pages:
         raise PagedWindowError(
             f"{what}: plan page id {plan.max_page_index} is past the pool's {geometry.num_pages} pages "
@@ -114,10 +119,7 @@ def batch_prefill_paged_window(q: torch.Tensor, pool: torch.Tensor, layout: Page
     what = "batch_prefill_paged_window"
     sm_scale = check_sm_scale(sm_scale)
     window_left = check_window_left(window_left)
-    if not isinstance(plan, PrefillPagedPlan):
-        raise PagedWindowError(f"{what}: plan must be a PrefillPagedPlan, got {type(plan).__name__}")
-    if not plan.filled:
-        raise PagedWindowError(f"{what}: the plan was preallocated but never filled: call plan.update(...) first")
+    _check_plan(what, plan)
     geometry = checked_paged_geometry(what, layout, pool, layer, plan.head_dim, plan.num_kv_heads)
     _check_plan_against_pool(what, plan, geometry)
     tail = (plan.num_qo_heads, plan.head_dim)
@@ -149,10 +151,7 @@ def append_paged_kv(k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, layout
     collide (two writes to one slot) and one whose page ids or last-page length do not fit the pool.
     """
     what = "append_paged_kv"
-    if not isinstance(plan, PrefillPagedPlan):
-        raise PagedWindowError(f"{what}: plan must be a PrefillPagedPlan, got {type(plan).__name__}")
-    if not plan.filled:
-        raise PagedWindowError(f"{what}: the plan was preallocated but never filled: call plan.update(...) first")
+    _check_plan(what, plan)
     geometry = checked_paged_geometry(what, layout, pool, layer, plan.head_dim, plan.num_kv_heads)
     _check_plan_against_pool(what, plan, geometry)
     if plan.new_slot_collision is not None:

@@ -1,7 +1,6 @@
 """The C launchers' own argument checks, exercised on the CPU: the library is built for sm_80 and loaded with
 ctypes; every refusal returns its negative code before any CUDA call, so no GPU is needed."""
 
-import ctypes
 import math
 
 import pytest
@@ -18,19 +17,9 @@ def lib(tmp_path_factory):
 
     os.environ["PAGEDWINDOW_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
     try:
-        library = ctypes.CDLL(str(build_shared_library("sm_80")))
+        return ops.load(build_shared_library("sm_80"))  # the same signatures the custom ops use
     finally:
         del os.environ["PAGEDWINDOW_CACHE_DIR"]
-    for name in ("pw_prefill_hd256_bf16", "pw_prefill_hd256_bf16_sm90"):
-        getattr(library, name).argtypes = ops._PREFILL_ARGS
-        getattr(library, name).restype = ctypes.c_int
-    library.pw_append_paged_kv.argtypes = ops._APPEND_ARGS
-    library.pw_append_paged_kv.restype = ctypes.c_int
-    for name in ("pw_prefill_hd256_error_string", "pw_prefill_hd256_sm90_error_string",
-                 "pw_append_paged_kv_error_string"):
-        getattr(library, name).argtypes = [ctypes.c_int]
-        getattr(library, name).restype = ctypes.c_char_p
-    return library
 
 
 GOOD_PREFILL = dict(q=ALIGNED, out=ALIGNED, lse=None, pool=ALIGNED, k_offset=0, v_offset=65536, page_stride=262144,

@@ -17,7 +17,8 @@ import torch
 from .build import build_shared_library, target_for_capability
 
 _lock = threading.Lock()
-_libraries: dict[str, ctypes.CDLL] = {}
+_libraries: dict[str, ctypes.CDLL] = {}  # by target
+_by_device: dict[int, ctypes.CDLL] = {}  # by CUDA device index: the launch path's lookup
 
 PREFILL_KERNELS = ("auto", "mma_sync", "wgmma")
 """``$PAGEDWINDOW_PREFILL_KERNEL``: ``auto`` (wgmma on sm_90, mma.sync elsewhere), or force one (benchmarks)."""
@@ -39,26 +40,35 @@ _APPEND_ARGS = [_p, _p, _p, _c_ll, _c_ll, _c_ll, _c_int, _c_int, _c_int, _c_int,
                 _p]
 
 
+def load(path) -> ctypes.CDLL:
+    """Load a built kernels library and declare its launchers' C signatures."""
+    lib = ctypes.CDLL(str(path))
+    for name in ("pw_prefill_hd256_bf16", "pw_prefill_hd256_bf16_sm90"):
+        getattr(lib, name).argtypes = _PREFILL_ARGS
+        getattr(lib, name).restype = _c_int
+    lib.pw_append_paged_kv.argtypes = _APPEND_ARGS
+    lib.pw_append_paged_kv.restype = _c_int
+    for name in ("pw_prefill_hd256_error_string", "pw_prefill_hd256_sm90_error_string",
+                 "pw_append_paged_kv_error_string"):
+        getattr(lib, name).argtypes = [_c_int]
+        getattr(lib, name).restype = ctypes.c_char_p
+    return lib
+
+
 def library(device: torch.device) -> ctypes.CDLL:
-    """The kernels' library for ``device``'s architecture (built on first use, then cached)."""
-    target = target_for_capability(*torch.cuda.get_device_capability(device))
+    """The kernels' library for ``device``'s architecture (built on first use; later calls are a dict lookup)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    lib = _by_device.get(index)
+    if lib is not None:
+        return lib
+    target = target_for_capability(*torch.cuda.get_device_capability(index))
     with _lock:
         lib = _libraries.get(target)
         if lib is None:
-            lib = ctypes.CDLL(str(build_shared_library(target)))
-            for name in ("pw_prefill_hd256_bf16", "pw_prefill_hd256_bf16_sm90"):
-                getattr(lib, name).argtypes = _PREFILL_ARGS
-                getattr(lib, name).restype = _c_int
+            lib = load(build_shared_library(target))
             lib.prefill = getattr(lib, prefill_entry(target))
-            lib.prefill_error_string = (lib.pw_prefill_hd256_sm90_error_string if lib.prefill.__name__.endswith("sm90")
-                                        else lib.pw_prefill_hd256_error_string)
-            lib.pw_append_paged_kv.argtypes = _APPEND_ARGS
-            lib.pw_append_paged_kv.restype = _c_int
-            for name in ("pw_prefill_hd256_error_string", "pw_prefill_hd256_sm90_error_string",
-                         "pw_append_paged_kv_error_string"):
-                getattr(lib, name).argtypes = [_c_int]
-                getattr(lib, name).restype = ctypes.c_char_p
             _libraries[target] = lib
+        _by_device[index] = lib
     return lib
 
 
@@ -89,7 +99,7 @@ def prefill_hd256(q: torch.Tensor, pool: torch.Tensor, plan_buffer: torch.Tensor
             q.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else None, pool.data_ptr(), k_offset,
             v_offset, page_stride, page_size, num_qo_heads, num_kv_heads, pages, page_indptr, last, qo_indptr,
             requests, qo_tiles, scalars, grid_tiles, cta_tile_q, sm_scale, window_left, stream)
-    _check(code, lib.prefill.__name__, lib.prefill_error_string)
+    _check(code, lib.prefill.__name__, lib.pw_prefill_hd256_error_string)  # one status table for both
 
 
 @prefill_hd256.register_fake

@@ -25,10 +25,11 @@ class Case:
 
 def make_case(gen: torch.Generator, *, seq_lens, start_positions, page_size, num_qo_heads, num_kv_heads,
               head_dim, dtype=torch.float64, device="cpu", num_layers=2, layer=1, spare_pages=3,
-              cta_tile_q=None, shared_plan_device=None, num_pages=None) -> Case:
+              cta_tile_q=None, shared_plan_device=None, num_pages=None, unused_slots=None) -> Case:
     """A batch whose pages are a random permutation of the pool, its prefix K/V written straight into the pool
     (positions < start), every other slot filled with noise, and the new rows' K/V returned for appending.
-    ``num_pages`` fixes the pool size (default: the pages needed plus ``spare_pages``)."""
+    ``num_pages`` fixes the pool size (default: the pages needed plus ``spare_pages``). ``unused_slots`` (e.g.
+    NaN), when given, fills every slot that holds no request position (past each kv_len, spare pages) instead."""
     kv_lens = [s + n for s, n in zip(start_positions, seq_lens)]
     need = [math.ceil(kv / page_size) for kv in kv_lens]
     num_pages = sum(need) + spare_pages if num_pages is None else num_pages
@@ -40,6 +41,13 @@ def make_case(gen: torch.Generator, *, seq_lens, start_positions, page_size, num
     lasts = [kv - (n - 1) * page_size for kv, n in zip(kv_lens, need)]
     layout = pw.PagedKvLayout(num_layers, num_kv_heads, head_dim, page_size)
     pool = torch.randn(layout.pool_shape(num_pages), generator=gen, dtype=torch.float64).to(dtype).to(device)
+    if unused_slots is not None:
+        used = torch.zeros(num_pages, page_size, dtype=torch.bool)  # [page, slot]
+        for req_pages, kv in zip(pages, kv_lens):
+            positions = torch.arange(kv)
+            used[torch.tensor(req_pages, dtype=torch.long)[positions // page_size], positions % page_size] = True
+        page_idx, slot_idx = (~used).nonzero(as_tuple=True)
+        pool[page_idx.to(device), :, :, slot_idx.to(device)] = unused_slots
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype).to(device)

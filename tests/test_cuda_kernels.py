@@ -38,6 +38,9 @@ GEOMETRIES = [
     (16, [300], [13], (2, 1), 16),
     (16, [577, 64], [0, 1000], (16, 8), 128),
     (16, [129, 7], [64, 0], (16, 4), None),
+    (8, [300, 45], [0, 77], (16, 8), 128),
+    (32, [577], [100], (16, 8), None),
+    (128, [200, 70], [1000, 3], (8, 2), 128),
 ]
 WINDOWS = [-1, 0, 1, 13, 1023, 10**6]
 
@@ -45,8 +48,10 @@ WINDOWS = [-1, 0, 1, 13, 1023, 10**6]
 def run_case(geometry, window_left, seed):
     page_size, seqs, starts, (hq, hkv), tile = geometry
     gen = torch.Generator().manual_seed(seed)
+    # Slots past each request's length hold NaN: a kernel that lets one reach its PV GEMM writes NaN.
     case = make_case(gen, seq_lens=seqs, start_positions=starts, page_size=page_size, num_qo_heads=hq,
-                     num_kv_heads=hkv, head_dim=D, dtype=torch.bfloat16, device="cuda", cta_tile_q=tile)
+                     num_kv_heads=hkv, head_dim=D, dtype=torch.bfloat16, device="cuda", cta_tile_q=tile,
+                     unused_slots=float("nan"))
     pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan, backend="cuda")
     rows = case.plan.total_tokens
     out = torch.full((rows + 3, hq, D), float("nan"), dtype=torch.bfloat16, device="cuda")

@@ -13,11 +13,18 @@
 //     packed query rows [64c, 64c + 64) of the tile. cta_tile_q 128 -> kWG = 2 (the fast path);
 //     cta_tile_q 64 and 16 -> kWG = 1 (a 16-row tile runs a 64-row warpgroup whose rows 16..63 are
 //     zero-filled and never written).
-//   * Producer: loads Q once, then K(j), V(j) for every 64-key tile j with 16-byte cp.async (pages are scattered
-//     and page_size is arbitrary, so every key row gets its own address: no TMA), and signals the buffer's
-//     "full" mbarrier with cp.async.mbarrier.arrive.noinc (one arrival per producer thread, counted when that
-//     thread's copies have landed). It waits on the buffer's "empty" mbarrier (one arrival per consumer warp)
-//     before refilling it. K and V have separate barriers; kStages = 2 buffers each.
+//   * Producer: loads Q once (all four warps, 16-byte cp.async), then K(j), V(j) for every 64-key tile j into
+//     buffer j % 2 (2 K and 2 V buffers), waiting on the buffer's "empty" mbarrier (one arrival per consumer
+//     warp) first. Two ways to copy a tile, chosen by the host per call:
+//       - bulk tensor copies (TMA), for page_size 8, 16, 32 or a multiple of 64: the pool is a 4-D tensor map
+//         {head dim, kv head, slot, page}; a tile is 64 / min(page_size, 64) chunks that each lie in one page,
+//         and one copy per 64-column block of a chunk lands, 128-byte swizzled, where the consumers read it
+//         (warp 0 copies K, warp 1 V; lane 4c + b issues chunk c, block b; 4-32 copies per tile). The buffer's
+//         "full" mbarrier completes on the copies' byte count. Chunks reaching past the request's kv_len (the
+//         last tile of a request only) are copied row by row by the warp, zeros past kv_len.
+//       - 16-byte cp.async of every key row, its own page lookup (any page_size): each of the four warps copies
+//         16 rows of K then of V, and "full" counts one cp.async.mbarrier.arrive.noinc per producer thread.
+//     Both read only keys below kv_len (keys outside the tile's visible range are masked by the consumers).
 //   * Consumers: S = Q K^T with 16 x wgmma m64n64k16 (A = Q, B = K, both from shared memory, K-major,
 //     128-byte swizzle); online softmax in registers (fp32, exp2); P re-packed to bf16 A fragments in
 //     registers; O += P V with 4 x wgmma m64n256k16 (A = P from registers, B = V from shared memory, MN-major
@@ -30,11 +37,13 @@
 //   * Shared memory (dynamic, base rounded up to 1024 B): Q [64*kWG rows], K [2][64], V [2][64], bf16, each
 //     tile stored as four 64-column blocks (one per 128 bytes of a row); inside a block rows are 128 B apart
 //     and 16-byte chunk c of row r sits at chunk c ^ (r & 7) -- exactly the canonical SWIZZLE_128B atom
-//     (8 rows x 128 B = 1024 B) that the wgmma descriptors describe. 128-row tile: Q 64 KB + K/V 128 KB +
-//     1 KB alignment pad = 193 KB; 16/64-row tile: 32 KB + 128 KB + 1 KB = 161 KB. One CTA per SM.
+//     (8 rows x 128 B = 1024 B) that the wgmma descriptors describe and the bulk copies write. 128-row tile:
+//     Q 64 KB + K/V 128 KB + 1 KB alignment pad = 193 KB; 16/64-row tile: 32 KB + 128 KB + 1 KB = 161 KB. One
+//     CTA per SM.
 //   * KV tiles wholly left of the window are never read: the loop starts at the window's left edge of the
-//     tile's first query row (rounded down to 64) and ends at the last query row's position; keys outside
-//     [that left edge, last row's position] are zero-filled instead of read; only boundary tiles are masked.
+//     tile's first query row (rounded down to 64) and ends at the last query row's position; inside that range
+//     the cp.async path zero-fills keys outside [left edge, last row's position] instead of reading them, the
+//     bulk path reads them (they are below kv_len); only boundary tiles are masked.
 //
 // Plain CUDA C++, no torch headers. Compiles for sm_80 / sm_89 / sm_90a; the kernel body exists only where
 // __CUDA_ARCH_FEAT_SM90_ALL is defined (sm_90a), elsewhere it is empty and the launcher refuses (-12).
@@ -44,6 +53,10 @@
 #include <stdint.h>
 #include <math.h>
 #include <atomic>
+#include <string.h>
+
+#include <cuda.h>          // CUtensorMap and its encoding enums (the driver is reached through the runtime)
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include "prefill_launch.cuh"  // status codes, PwPrefillParams, argument checks
 #include "ptx_common.cuh"      // PTX helpers both prefill kernels use
@@ -66,17 +79,20 @@ constexpr int kProducerThreads = 128;
 
 using Params = PwPrefillParams;
 
+constexpr int kStagesK = 2;  // K buffers
+constexpr int kStagesV = 2;  // V buffers
+
 // Compile-time configuration of one kernel instantiation.
-template <int kCtaQ, int kWG, int kStages>
+template <int kCtaQ, int kWG>
 struct Cfg {
   static_assert(kWG == 1 || kWG == 2, "one or two consumer warpgroups");
-  static_assert(kStages == 1 || kStages == 2, "one or two K/V buffers");
   static_assert(kCtaQ >= 1 && kCtaQ <= 64 * kWG, "the consumer warpgroups must cover the tile");
   static constexpr int kThreads = kProducerThreads + 128 * kWG;
   static constexpr int kRowsQ = 64 * kWG;                // Q rows held in shared memory
   static constexpr uint32_t kQBlockBytes = kRowsQ * 128; // one 64-column block of Q
   static constexpr uint32_t kQBytes = kRowsQ * 512;
-  static constexpr uint32_t kSmemBytes = 1024 + kQBytes + 2u * kStages * kKvBytes;  // + 1 KB alignment pad
+  // + 1 KB alignment pad
+  static constexpr uint32_t kSmemBytes = 1024 + kQBytes + (kStagesK + kStagesV) * kKvBytes;
   static constexpr int kMinBlocks = 1;
   // Two consumer warpgroups + the producer (384 threads) get 168 registers each at launch; setmaxnreg moves
   // them to the consumers (FlashAttention-3's split for a cp.async producer): 128 * 40 + 256 * 232 = 64512.
@@ -86,7 +102,7 @@ struct Cfg {
   static constexpr uint32_t kConsumerRegs = 232;
   static_assert(!kSetMaxNReg || kProducerThreads * kProducerRegs + 128 * kWG * kConsumerRegs <= 65536,
                 "setmaxnreg budget exceeds the register file");
-  static constexpr int kNumBarriers = 1 + 4 * kStages;   // q_full, full_k[], full_v[], empty_k[], empty_v[]
+  static constexpr int kNumBarriers = 1 + 2 * (kStagesK + kStagesV);  // q_full, full_k/v[], empty_k/v[]
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -276,21 +292,6 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs_tb(float (&d)[128], uint32_t
 }
 
 
-
-
-// Producer: copy 16 rows of a 64-key tile (rows 16*pw .. 16*pw + 15; lane = 16-byte chunk). `off` holds, in
-// lane i < 16, the pool element offset of row 16*pw + i (or -1: outside [kv_lo, kv_hi), zero-filled).
-__device__ __forceinline__ void issue_kv_rows(uint32_t s_tile, const __nv_bfloat16* pool_lane,
-                                              const __nv_bfloat16* pool, long long off, int pw, int lane) {
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const long long row_off = __shfl_sync(0xffffffffu, off, i);
-    const bool valid = row_off >= 0;
-    const void* src = valid ? static_cast<const void*>(pool_lane + row_off) : static_cast<const void*>(pool);
-    cp_async_16(s_tile + sw128<kKvTile>(pw * 16 + i, lane), src, valid ? 16 : 0);
-  }
-}
-
 // Tile geometry (uniform across the CTA; identical to prefill_hd256.cu). Computed once before the role split
 // (for the early exit) and again inside each role, so that few values are live across setmaxnreg.
 struct Geo {
@@ -322,29 +323,80 @@ __device__ __forceinline__ Geo tile_geometry(const Params& p, int tile) {
 // ------------------------------------------------------------------------------------------------ the kernel
 #ifdef PW_SM90_DEVICE_CODE
 // Shared-memory map of one CTA (byte addresses in the shared window).
-template <int kCtaQ, int kWG, int kStages>
+template <int kCtaQ, int kWG>
 struct Smem {
-  uint32_t q, k, v;  // Q | K[kStages] | V[kStages], q aligned to 1024 B (the swizzle atom)
-  uint32_t bar;      // q_full, full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages] (8 B each)
+  uint32_t q, k, v;  // Q | K[kStagesK] | V[kStagesV], q aligned to 1024 B (the swizzle atom)
+  uint32_t bar;      // q_full, full_k[kStagesK], full_v[kStagesV], empty_k[kStagesK], empty_v[kStagesV] (8 B each)
   __device__ __forceinline__ Smem(const void* dyn, const void* bars) {
     q = (smem_addr(dyn) + 1023u) & ~1023u;
-    k = q + Cfg<kCtaQ, kWG, kStages>::kQBytes;
-    v = k + kStages * kKvBytes;
+    k = q + Cfg<kCtaQ, kWG>::kQBytes;
+    v = k + kStagesK * kKvBytes;
     bar = smem_addr(bars);
   }
   __device__ __forceinline__ uint32_t q_full() const { return bar; }
   __device__ __forceinline__ uint32_t full_k(int s) const { return bar + 8u * (1 + s); }
-  __device__ __forceinline__ uint32_t full_v(int s) const { return bar + 8u * (1 + kStages + s); }
-  __device__ __forceinline__ uint32_t empty_k(int s) const { return bar + 8u * (1 + 2 * kStages + s); }
-  __device__ __forceinline__ uint32_t empty_v(int s) const { return bar + 8u * (1 + 3 * kStages + s); }
+  __device__ __forceinline__ uint32_t full_v(int s) const { return bar + 8u * (1 + kStagesK + s); }
+  __device__ __forceinline__ uint32_t empty_k(int s) const { return bar + 8u * (1 + kStagesK + kStagesV + s); }
+  __device__ __forceinline__ uint32_t empty_v(int s) const { return bar + 8u * (1 + 2 * kStagesK + kStagesV + s); }
 };
 
+// Buffer of KV tile j in a ring of kN buffers, and the parity of that buffer's j-th use (use j / kN).
+template <int kN>
+__device__ __forceinline__ int ring_stage(int j) { return j % kN; }
+template <int kN>
+__device__ __forceinline__ uint32_t ring_parity(int j) { return static_cast<uint32_t>((j / kN) & 1); }
+
+// Producer, cp.async copy: 16 rows of a 64-key tile (rows 16*pw .. 16*pw + 15; lane = 16-byte chunk). `off`
+// holds, in lane i < 16, the pool element offset of row 16*pw + i (or -1: outside [kv_lo, kv_hi), zero-filled).
+__device__ __forceinline__ void issue_kv_rows(uint32_t s_tile, const __nv_bfloat16* pool_lane,
+                                              const __nv_bfloat16* pool, long long off, int pw, int lane) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const long long row_off = __shfl_sync(0xffffffffu, off, i);
+    const bool valid = row_off >= 0;
+    const void* src = valid ? static_cast<const void*>(pool_lane + row_off) : static_cast<const void*>(pool);
+    cp_async_16(s_tile + sw128<kKvTile>(pw * 16 + i, lane), src, valid ? 16 : 0);
+  }
+}
+
+// Producer, Q tile (all four warps; rows past rows_valid zero-filled): warp w copies rows w, w+4, ...; row r ->
+// (token, head in group) walked by 4; lane = 16-byte chunk. Arrives on q_full once its copies have landed.
+template <int kCtaQ, int kWG>
+__device__ __forceinline__ void load_q(const Params& p, const Smem<kCtaQ, kWG>& sm, const Geo& t, int kv_head,
+                                       int warp, int lane) {
+  using C = Cfg<kCtaQ, kWG>;
+  const int grp = p.group;
+  const int pr0 = t.row0 + warp;
+  int tok = pr0 / grp;
+  int hg = pr0 - tok * grp;
+  const int step_tok = 4 / grp;
+  const int step_hg = 4 - step_tok * grp;
+#pragma unroll 4
+  for (int it = 0; it < C::kRowsQ / 4; ++it) {
+    const int r = warp + 4 * it;
+    const bool valid = r < t.rows_valid;
+    const void* src = p.q;
+    if (valid) {
+      const int head = kv_head * grp + hg;
+      src = p.q + (static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head) * kPwPrefillHeadDim + lane * 8;
+    }
+    cp_async_16(sm.q + sw128<C::kRowsQ>(r, lane), src, valid ? 16 : 0);
+    tok += step_tok;
+    hg += step_hg;
+    if (hg >= grp) {
+      hg -= grp;
+      ++tok;
+    }
+  }
+  cp_async_mbar_arrive(sm.q_full());
+}
+
 // ============================================== producer warpgroup ==============================================
-// Loads Q once, then K(j) and V(j) of every KV tile into buffer j % kStages. Warp w copies Q rows w, w+4, ...
-// and key rows 16w .. 16w+15 of every tile; lane = 16-byte chunk (one 512-byte row per instruction).
-template <int kCtaQ, int kWG, int kStages>
-__device__ __forceinline__ void producer(const Params& p, const Smem<kCtaQ, kWG, kStages>& sm) {
-  using C = Cfg<kCtaQ, kWG, kStages>;
+// cp.async producer (any page_size). Loads Q, then K(j) and V(j) of every KV tile into buffer j % 2. Warp w
+// copies key rows 16w .. 16w+15 of every tile, K then V; lane = 16-byte chunk (one 512-byte row per instruction).
+// All four warps copy every tile: a warp's copies go through its own scheduler's load/store path.
+template <int kCtaQ, int kWG>
+__device__ __forceinline__ void producer_cp_async(const Params& p, const Smem<kCtaQ, kWG>& sm) {
   const Geo t = tile_geometry<kCtaQ>(p, blockIdx.x);
   const int kv_head = blockIdx.y;
   const int warp = (threadIdx.x >> 5) & 3;
@@ -365,44 +417,14 @@ __device__ __forceinline__ void producer(const Params& p, const Smem<kCtaQ, kWG,
   int page = 0;  // page id of the current tile's row (valid rows only), loaded one tile ahead
   if (row_valid(pos)) page = __ldg(pages + pi);  // tile 0: in flight while Q is issued
 
-  // ---- Q tile (rows past rows_valid zero-filled); row r = warp + 4 it -> (token, head in group) walked by 4
-  {
-    const int grp = p.group;
-    const int pr0 = t.row0 + warp;
-    int tok = pr0 / grp;
-    int hg = pr0 - tok * grp;
-    const int step_tok = 4 / grp;
-    const int step_hg = 4 - step_tok * grp;
-#pragma unroll 4
-    for (int it = 0; it < C::kRowsQ / 4; ++it) {
-      const int r = warp + 4 * it;
-      const bool valid = r < t.rows_valid;
-      const void* src = p.q;
-      if (valid) {
-        const int head = kv_head * grp + hg;
-        src = p.q + (static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head) * kPwPrefillHeadDim + lane * 8;
-      }
-      cp_async_16(sm.q + sw128<C::kRowsQ>(r, lane), src, valid ? 16 : 0);
-      tok += step_tok;
-      hg += step_hg;
-      if (hg >= grp) {
-        hg -= grp;
-        ++tok;
-      }
-    }
-  }
-  cp_async_mbar_arrive(sm.q_full());
+  load_q(p, sm, t, kv_head, warp, lane);
 
-  // ---- K/V tiles
 #pragma unroll 1
   for (int j = 0; j < t.n_tiles; ++j) {
-    const int s = (kStages == 1) ? 0 : (j & 1);
-    const uint32_t empty_parity = ((kStages == 1 ? j : (j >> 1)) & 1) ^ 1;  // the first use passes at once
-    // Pool offset of key row 16*warp + lane (lanes 0..15; -1: outside [kv_lo, kv_hi), zero-filled). The page
-    // lookup happens before the wait, to hide its latency.
+    // Pool offset of key row 16*warp + lane (lanes 0..15; -1: outside [kv_lo, kv_hi), zero-filled). `page` was
+    // loaded one tile ago (or before Q for tile 0). Then step to tile j+1 and load its page id now: it is in
+    // flight while this tile's barriers are waited on and its K/V copies issued.
     long long off = -1;
-    // `page` was loaded one tile ago (or before Q for tile 0). Then step to tile j+1 and load its page id now:
-    // it is in flight while this tile's barriers are waited on and its K/V copies issued.
     if (row_valid(pos)) {
       off = static_cast<long long>(page) * p.page_stride +
             static_cast<long long>(slot * p.num_kv_heads + kv_head) * kPwPrefillHeadDim;
@@ -415,21 +437,125 @@ __device__ __forceinline__ void producer(const Params& p, const Smem<kCtaQ, kWG,
       ++pi;
     }
     if (row_valid(pos)) page = __ldg(pages + pi);  // tile j+1 (never past kv_hi: no read beyond the last tile)
-    mbar_wait<true>(sm.empty_k(s), empty_parity);
-    issue_kv_rows(sm.k + s * kKvBytes, p.pool + p.k_offset + lane * 8, p.pool, off, warp, lane);
-    cp_async_mbar_arrive(sm.full_k(s));
-    mbar_wait<true>(sm.empty_v(s), empty_parity);
-    issue_kv_rows(sm.v + s * kKvBytes, p.pool + p.v_offset + lane * 8, p.pool, off, warp, lane);
-    cp_async_mbar_arrive(sm.full_v(s));
+    mbar_wait<true>(sm.empty_k(ring_stage<kStagesK>(j)), ring_parity<kStagesK>(j) ^ 1);  // first use passes
+    issue_kv_rows(sm.k + ring_stage<kStagesK>(j) * kKvBytes, p.pool + p.k_offset + lane * 8, p.pool, off, warp,
+                  lane);
+    cp_async_mbar_arrive(sm.full_k(ring_stage<kStagesK>(j)));
+    mbar_wait<true>(sm.empty_v(ring_stage<kStagesV>(j)), ring_parity<kStagesV>(j) ^ 1);
+    issue_kv_rows(sm.v + ring_stage<kStagesV>(j) * kKvBytes, p.pool + p.v_offset + lane * 8, p.pool, off, warp,
+                  lane);
+    cp_async_mbar_arrive(sm.full_v(ring_stage<kStagesV>(j)));
   }
   cp_async_wait_all();  // leave no copy in flight behind an exiting thread
 }
 
+// Bulk tensor copy (TMA) of one box of the 4-D pool view {head dim, kv head, slot, page} into shared memory,
+// completing `bytes` of the mbarrier's transaction count.
+__device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2, int c3,
+                                            uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
+      "%5}], [%6];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+// Arrive once on the mbarrier and raise its expected transaction count by `bytes`.
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+// TMA producer (page_size 8, 16, 32 or a multiple of 64; the host checks). Warps 0-3 load Q with cp.async;
+// then warp 0 copies K(j) and warp 1 V(j) of every KV tile. A 64-key tile is 64 / box_rows chunks of box_rows =
+// min(page_size, 64) keys inside one page; lane 4c + b copies 64-column block b of chunk c with one bulk tensor
+// copy: box {64 dims, 1 head, box_rows slots, 1 page} of the map, written with the 128-byte swizzle into
+// exactly the layout the cp.async producer writes. A chunk reaching past the request's kv_len (only in the last
+// tile of a request) is copied row by row by the warp instead, zeros past kv_len, so that no slot past the
+// request's length (unspecified contents, possibly NaN) reaches the PV GEMM. Lane 0 arrives on the buffer's
+// "full" barrier with the tile's bulk-copy byte count (count 1 per phase); the phase completes when they land.
+template <int kCtaQ, int kWG>
+__device__ __forceinline__ void producer_tma(const Params& p, const Smem<kCtaQ, kWG>& sm, const CUtensorMap* map_k,
+                                             const CUtensorMap* map_v) {
+  const Geo t = tile_geometry<kCtaQ>(p, blockIdx.x);
+  const int kv_head = blockIdx.y;
+  const int warp = (threadIdx.x >> 5) & 3;
+  const int lane = threadIdx.x & 31;
+  load_q(p, sm, t, kv_head, warp, lane);
+  if (warp >= 2) {
+    cp_async_wait_all();
+    return;
+  }
+  const bool is_k = warp == 0;
+  const CUtensorMap* const map = is_k ? map_k : map_v;
+  const __nv_bfloat16* const pool_lane = p.pool + (is_k ? p.k_offset : p.v_offset) + lane * 8;
+  const int ps = p.page_size;
+  const int box_rows = min(ps, kKvTile);
+  const uint32_t box_bytes = static_cast<uint32_t>(box_rows) * 128u;
+  const int chunk = lane >> 2, block = lane & 3;
+  const bool has_box = chunk * box_rows < kKvTile;
+  const int* const pages = p.page_indices + t.page_base;
+  // First key of this lane's chunk: pos = pi * page_size + slot (slot is 0 unless page_size > 64), stepped by
+  // kKvTile per tile without a division.
+  int pos = t.kv_start + chunk * box_rows;
+  int pi = pos / ps;
+  int slot = pos - pi * ps;
+  const int step_pi = kKvTile / ps;
+  const int step_slot = kKvTile - step_pi * ps;
+  auto box_inside = [&](int x) { return has_box && x + box_rows <= t.kv_len; };
+  int page = 0;  // page id of the current tile's chunk, loaded one tile ahead
+  if (box_inside(pos)) page = __ldg(pages + pi);
+
+#pragma unroll 1
+  for (int j = 0; j < t.n_tiles; ++j) {
+    const int tile_key0 = t.kv_start + j * kKvTile;
+    const bool copy_box = box_inside(pos);
+    const int c2 = slot, c3 = page;
+    pos += kKvTile;
+    pi += step_pi;
+    slot += step_slot;
+    if (slot >= ps) {
+      slot -= ps;
+      ++pi;
+    }
+    if (box_inside(pos)) page = __ldg(pages + pi);  // tile j+1
+    const int st = is_k ? ring_stage<kStagesK>(j) : ring_stage<kStagesV>(j);
+    const uint32_t par = is_k ? ring_parity<kStagesK>(j) : ring_parity<kStagesV>(j);
+    const uint32_t buf = (is_k ? sm.k : sm.v) + st * kKvBytes;
+    const uint32_t full = is_k ? sm.full_k(st) : sm.full_v(st);
+    mbar_wait<true>(is_k ? sm.empty_k(st) : sm.empty_v(st), par ^ 1);  // the first use passes at once
+    // Rows from the first chunk that reaches past kv_len (uniform across the warp): copied here, zeros past
+    // kv_len, with ordinary loads and stores, made visible to the tensor cores before the arrive below.
+    const int tail_row0 = min(kKvTile, ((t.kv_len - tile_key0) / box_rows) * box_rows);
+    if (tail_row0 < kKvTile) {
+#pragma unroll 1
+      for (int r = tail_row0; r < kKvTile; ++r) {
+        const int key = tile_key0 + r;
+        uint4 v = make_uint4(0u, 0u, 0u, 0u);
+        if (key < t.kv_len) {
+          const int kp = key / ps;
+          const long long off = static_cast<long long>(__ldg(pages + kp)) * p.page_stride +
+                                static_cast<long long>((key - kp * ps) * p.num_kv_heads + kv_head) * kPwPrefillHeadDim;
+          v = __ldg(reinterpret_cast<const uint4*>(pool_lane + off));
+        }
+        st_shared_v4(buf + sw128<kKvTile>(r, lane), v);
+      }
+      fence_proxy_async();
+    }
+    const uint32_t boxes = __popc(__ballot_sync(0xffffffffu, copy_box));
+    __syncwarp();
+    if (lane == 0) mbar_arrive_expect_tx(full, boxes * box_bytes);
+    __syncwarp();  // the expected byte count is posted before any of the tile's copies can complete
+    if (copy_box) {
+      tma_load_4d(buf + block * kKvBlockBytes + chunk * box_bytes, map, block * 64, kv_head, c2, c3, full);
+    }
+  }
+}
+
 // ============================================== consumer warpgroups ==============================================
 // Consumer cw (0..kWG-1) owns packed rows [64 cw, 64 cw + 64) of the tile.
-template <int kCtaQ, int kWG, int kStages>
-__device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG, kStages>& sm) {
-  using C = Cfg<kCtaQ, kWG, kStages>;
+template <int kCtaQ, int kWG>
+__device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>& sm) {
+  using C = Cfg<kCtaQ, kWG>;
   constexpr float kNegInf = -INFINITY;
   const Geo t = tile_geometry<kCtaQ>(p, blockIdx.x);
   const int kv_head = blockIdx.y;
@@ -559,8 +685,6 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG,
     __syncwarp();
     if (lane == 0) mbar_arrive(bar);
   };
-  auto stage_of = [](int j) { return (kStages == 1) ? 0 : (j & 1); };
-  auto parity_of = [](int j) { return static_cast<uint32_t>(((kStages == 1) ? j : (j >> 1)) & 1); };
 
   // Schedule (per consumer warpgroup; a "turn" = issuing GEMMs, passed between the two consumer warpgroups
   // through the named barriers kBarSched + cw):
@@ -599,17 +723,17 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG,
 #pragma unroll 1
     for (int j = 0; j < n_tiles - 1; ++j) {
       const int j1 = j + 1;
-      mbar_wait<false>(sm.full_k(stage_of(j1)), parity_of(j1));
-      mbar_wait<false>(sm.full_v(stage_of(j)), parity_of(j));
+      mbar_wait<false>(sm.full_k(ring_stage<kStagesK>(j1)), ring_parity<kStagesK>(j1));
+      mbar_wait<false>(sm.full_v(ring_stage<kStagesV>(j)), ring_parity<kStagesV>(j));
       fence_proxy_async();
       // ---- turn j+1: S(j+1), then PV(j) (two commit groups, in this order)
       if constexpr (kWG == 2) named_bar_sync(kBarSched + cw, 256);
       wgmma_fence();
 #pragma unroll
       for (int i = 0; i < 128; ++i) reg_fence(o[i]);
-      gemm_s(stage_of(j1));
+      gemm_s(ring_stage<kStagesK>(j1));
       wgmma_commit();
-      gemm_pv(stage_of(j));
+      gemm_pv(ring_stage<kStagesV>(j));
       wgmma_commit();
       if constexpr (kWG == 2) named_bar_arrive(kBarSched + (1 - cw), 256);
       wgmma_wait<1>();  // S(j+1) has completed; PV(j) may still run
@@ -619,7 +743,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG,
       // Release K(j+1). The condition is always true (l0, l1 >= 0, or NaN), but it makes the arrive depend on
       // the softmax, which keeps ptxas from sinking the softmax below the wait for PV(j) (losing the overlap).
       __syncwarp();
-      if (lane == 0 && !(l0 + l1 < 0.f)) mbar_arrive(sm.empty_k(stage_of(j1)));
+      if (lane == 0 && !(l0 + l1 < 0.f)) mbar_arrive(sm.empty_k(ring_stage<kStagesK>(j1)));
       wgmma_wait<0>();  // PV(j) has completed
 #pragma unroll
       for (int i = 0; i < 128; ++i) reg_fence(o[i]);
@@ -627,19 +751,19 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG,
       for (int ks = 0; ks < 4; ++ks) {
         reg_fence_u32(pf[ks][0]); reg_fence_u32(pf[ks][1]); reg_fence_u32(pf[ks][2]); reg_fence_u32(pf[ks][3]);
       }
-      release(sm.empty_v(stage_of(j)));
+      release(sm.empty_v(ring_stage<kStagesV>(j)));
       rescale_o(alpha0, alpha1);
       pack_p();
     }
 
     // ---- turn n: PV(n-1)
-    mbar_wait<false>(sm.full_v(stage_of(n_tiles - 1)), parity_of(n_tiles - 1));
+    mbar_wait<false>(sm.full_v(ring_stage<kStagesV>(n_tiles - 1)), ring_parity<kStagesV>(n_tiles - 1));
     fence_proxy_async();
     if constexpr (kWG == 2) named_bar_sync(kBarSched + cw, 256);
     wgmma_fence();
 #pragma unroll
     for (int i = 0; i < 128; ++i) reg_fence(o[i]);
-    gemm_pv(stage_of(n_tiles - 1));
+    gemm_pv(ring_stage<kStagesV>(n_tiles - 1));
     wgmma_commit();
     if constexpr (kWG == 2) {
       if (cw == 0) named_bar_arrive(kBarSched + 1, 256);
@@ -703,11 +827,14 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG,
 }
 #endif  // PW_SM90_DEVICE_CODE
 
-template <int kCtaQ, int kWG, int kStages>
-__global__ void __launch_bounds__(Cfg<kCtaQ, kWG, kStages>::kThreads, Cfg<kCtaQ, kWG, kStages>::kMinBlocks)
-    pw_prefill_hd256_sm90_kernel(const Params p) {
+// kTma: K/V tiles by bulk tensor copy through map_k / map_v (page_size 8, 16, 32 or a multiple of 64), else by
+// cp.async (the maps are then unused).
+template <int kCtaQ, int kWG, bool kTma>
+__global__ void __launch_bounds__(Cfg<kCtaQ, kWG>::kThreads, Cfg<kCtaQ, kWG>::kMinBlocks)
+    pw_prefill_hd256_sm90_kernel(const __grid_constant__ Params p, const __grid_constant__ CUtensorMap map_k,
+                                 const __grid_constant__ CUtensorMap map_v) {
 #ifdef PW_SM90_DEVICE_CODE
-  using C = Cfg<kCtaQ, kWG, kStages>;
+  using C = Cfg<kCtaQ, kWG>;
   // Static shared memory exists only in the sm_90a build: the host launcher checks for it (an empty kernel
   // from a compute_90 build without the arch-specific features has none).
   __shared__ __align__(8) unsigned long long bars[C::kNumBarriers];
@@ -716,14 +843,20 @@ __global__ void __launch_bounds__(Cfg<kCtaQ, kWG, kStages>::kThreads, Cfg<kCtaQ,
   if (static_cast<int>(blockIdx.x) >= p.plan_scalars[2]) return;  // grid x is a capacity
   if (tile_geometry<kCtaQ>(p, blockIdx.x).rows_valid <= 0) return;  // uniform across the CTA
 
-  const Smem<kCtaQ, kWG, kStages> sm(smem, bars);
+  const Smem<kCtaQ, kWG> sm(smem, bars);
   if (threadIdx.x == 0) {
+    // q_full: one cp.async-tracked arrival per producer thread. full: the same with cp.async K/V copies, one
+    // arrival (with the byte count) per tile with bulk copies. empty: one arrival per consumer warp.
     mbar_init(sm.q_full(), kProducerThreads);
+    constexpr uint32_t kFullCount = kTma ? 1 : kProducerThreads;
 #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(sm.full_k(s), kProducerThreads);  // one cp.async-tracked arrival per producer thread
-      mbar_init(sm.full_v(s), kProducerThreads);
-      mbar_init(sm.empty_k(s), 4 * kWG);          // one arrival per consumer warp
+    for (int s = 0; s < kStagesK; ++s) {
+      mbar_init(sm.full_k(s), kFullCount);
+      mbar_init(sm.empty_k(s), 4 * kWG);
+    }
+#pragma unroll
+    for (int s = 0; s < kStagesV; ++s) {
+      mbar_init(sm.full_v(s), kFullCount);
       mbar_init(sm.empty_v(s), 4 * kWG);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -732,10 +865,14 @@ __global__ void __launch_bounds__(Cfg<kCtaQ, kWG, kStages>::kThreads, Cfg<kCtaQ,
 
   if (threadIdx.x < kProducerThreads) {  // warpgroup 0
     if constexpr (C::kSetMaxNReg) setmaxnreg_dec<C::kProducerRegs>();
-    producer<kCtaQ, kWG, kStages>(p, sm);
+    if constexpr (kTma) {
+      producer_tma<kCtaQ, kWG>(p, sm, &map_k, &map_v);
+    } else {
+      producer_cp_async<kCtaQ, kWG>(p, sm);
+    }
   } else {
     if constexpr (C::kSetMaxNReg) setmaxnreg_inc<C::kConsumerRegs>();
-    consumer<kCtaQ, kWG, kStages>(p, sm);
+    consumer<kCtaQ, kWG>(p, sm);
   }
 #endif  // PW_SM90_DEVICE_CODE
 }
@@ -745,7 +882,7 @@ constexpr int kMaxDevices = 64;
 
 // Is this build's kernel usable on `device`? Device must be compute capability 9.0 and the kernel binary sm_90
 // with the sm_90a body (it alone declares static shared memory). Cached per device id.
-template <int kCtaQ, int kWG, int kStages>
+template <int kCtaQ, int kWG, bool kTma>
 static int check_arch(int device) {
   static std::atomic<int> cache[kMaxDevices];  // 0 unknown, 1 usable, 2 not usable
   if (device >= 0 && device < kMaxDevices) {
@@ -760,7 +897,7 @@ static int check_arch(int device) {
   bool usable = (major == 9 && minor == 0);
   if (usable) {
     cudaFuncAttributes attr;
-    e = cudaFuncGetAttributes(&attr, pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, kStages>);
+    e = cudaFuncGetAttributes(&attr, pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, kTma>);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();  // no kernel image for this device: clear it, report our own code
       usable = false;
@@ -773,34 +910,93 @@ static int check_arch(int device) {
 }
 
 // Opt the kernel into > 48 KB of dynamic shared memory once per device (a static flag per device id).
-template <int kCtaQ, int kWG, int kStages>
+template <int kCtaQ, int kWG, bool kTma>
 static int ensure_smem(int device) {
   static std::atomic<int> done[kMaxDevices];
-  constexpr int bytes = static_cast<int>(Cfg<kCtaQ, kWG, kStages>::kSmemBytes);
+  constexpr int bytes = static_cast<int>(Cfg<kCtaQ, kWG>::kSmemBytes);
   if (device >= 0 && device < kMaxDevices && done[device].load(std::memory_order_acquire)) return 0;
   int optin = 0;
   cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (e != cudaSuccess) return static_cast<int>(e);
   // The static barriers (< 128 B) come on top of the dynamic bytes.
   if (optin < bytes + 128) return PW_PREFILL_ERR_SMEM_UNAVAILABLE;
-  e = cudaFuncSetAttribute(pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, kStages>,
+  e = cudaFuncSetAttribute(pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, kTma>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e != cudaSuccess) return static_cast<int>(e);
   if (device >= 0 && device < kMaxDevices) done[device].store(1, std::memory_order_release);
   return 0;
 }
 
-template <int kCtaQ, int kWG, int kStages>
-static int launch(const Params& p, int grid_tiles, int device, cudaStream_t stream) {
-  using C = Cfg<kCtaQ, kWG, kStages>;
-  int rc = check_arch<kCtaQ, kWG, kStages>(device);
+template <int kCtaQ, int kWG, bool kTma>
+static int launch(const Params& p, const CUtensorMap& map_k, const CUtensorMap& map_v, int grid_tiles, int device,
+                  cudaStream_t stream) {
+  using C = Cfg<kCtaQ, kWG>;
+  int rc = check_arch<kCtaQ, kWG, kTma>(device);
   if (rc != 0) return rc;
   if (grid_tiles == 0) return PW_PREFILL_OK;  // nothing to launch
-  rc = ensure_smem<kCtaQ, kWG, kStages>(device);
+  rc = ensure_smem<kCtaQ, kWG, kTma>(device);
   if (rc != 0) return rc;
   const dim3 grid(static_cast<unsigned>(grid_tiles), static_cast<unsigned>(p.num_kv_heads), 1);
-  pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, kStages><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p);
+  pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, kTma><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, map_k, map_v);
   return static_cast<int>(cudaGetLastError());
+}
+
+template <int kCtaQ, int kWG>
+static int launch_tile(const Params& p, const CUtensorMap* maps, int grid_tiles, int device, cudaStream_t stream) {
+  if (maps != nullptr) return launch<kCtaQ, kWG, true>(p, maps[0], maps[1], grid_tiles, device, stream);
+  CUtensorMap unused;
+  memset(&unused, 0, sizeof(unused));
+  return launch<kCtaQ, kWG, false>(p, unused, unused, grid_tiles, device, stream);
+}
+
+// cuTensorMapEncodeTiled from the driver the runtime has loaded (no link-time dependency on libcuda); null when
+// the driver does not provide it.
+static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static std::atomic<PFN_cuTensorMapEncodeTiled_v12000> fn{nullptr};
+  static std::atomic<int> looked{0};
+  if (!looked.load(std::memory_order_acquire)) {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      f = nullptr;
+    }
+    fn.store(reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f), std::memory_order_release);
+    looked.store(1, std::memory_order_release);
+  }
+  return fn.load(std::memory_order_acquire);
+}
+
+// Tensor maps for bulk copies of K (maps[0]) and V (maps[1]) tiles: the pool seen as the 4-D tensor
+// {head dim 256, kv head, slot, page} (innermost first) from pool + k_offset / v_offset, strides 512 B,
+// num_kv_heads * 512 B, page_stride * 2 B; box {64, 1, min(page_size, 64), 1}, 128-byte swizzle. The page
+// extent is the int32 limit: page ids are int32 and checked against the pool before launch. Returns false
+// (use cp.async) when the page size is not 8, 16, 32 or a multiple of 64, when an address or stride is not
+// 16-byte aligned, or when the driver cannot encode the maps.
+static bool encode_kv_maps(const Params& p, CUtensorMap* maps) {
+  const int ps = p.page_size;
+  if (!(ps % kKvTile == 0 || (kKvTile % ps == 0 && ps >= 8))) return false;
+  const uint64_t elem = sizeof(__nv_bfloat16);
+  const uint64_t k_addr = reinterpret_cast<uint64_t>(p.pool + p.k_offset);
+  const uint64_t v_addr = reinterpret_cast<uint64_t>(p.pool + p.v_offset);
+  if (k_addr % 16 != 0 || v_addr % 16 != 0 || (static_cast<uint64_t>(p.page_stride) * elem) % 16 != 0) return false;
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(kPwPrefillHeadDim), static_cast<cuuint64_t>(p.num_kv_heads),
+                              static_cast<cuuint64_t>(ps), 0x7fffffffull};
+  const cuuint64_t strides[3] = {kPwPrefillHeadDim * elem, static_cast<cuuint64_t>(p.num_kv_heads) * kPwPrefillHeadDim * elem,
+                                 static_cast<cuuint64_t>(p.page_stride) * elem};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(ps < kKvTile ? ps : kKvTile), 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  for (int i = 0; i < 2; ++i) {
+    const CUresult r = encode(&maps[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4,
+                              reinterpret_cast<void*>(i == 0 ? k_addr : v_addr), dims, strides, box, unit,
+                              CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+    if (r != CUDA_SUCCESS) return false;
+  }
+  return true;
 }
 
 }  // namespace pw_prefill_sm90
@@ -828,14 +1024,33 @@ extern "C" int pw_prefill_hd256_bf16_sm90(const void* q, void* out, float* lse, 
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return static_cast<int>(e);
+  CUtensorMap maps[2];
+  const CUtensorMap* const use_maps = encode_kv_maps(p, maps) ? maps : nullptr;
   switch (cta_tile_q) {
     case 16:
-      return launch<16, 1, 2>(p, grid_tiles, device, s);
+      return launch_tile<16, 1>(p, use_maps, grid_tiles, device, s);
     case 64:
-      return launch<64, 1, 2>(p, grid_tiles, device, s);
+      return launch_tile<64, 1>(p, use_maps, grid_tiles, device, s);
     default:  // 128
-      return launch<128, 2, 2>(p, grid_tiles, device, s);
+      return launch_tile<128, 2>(p, use_maps, grid_tiles, device, s);
   }
+}
+
+// How pw_prefill_hd256_bf16_sm90 copies K/V tiles for this pool and page size: 1 = bulk tensor copies (TMA),
+// 0 = cp.async. (The same decision the launcher makes; it does not depend on the plan.)
+extern "C" int pw_prefill_hd256_sm90_kv_copy_mode(const void* pool, long long k_offset, long long v_offset,
+                                                  long long page_stride, int page_size, int num_kv_heads) {
+  pw_prefill_sm90::Params p;
+  memset(&p, 0, sizeof(p));
+  p.pool = static_cast<const __nv_bfloat16*>(pool);
+  p.k_offset = k_offset;
+  p.v_offset = v_offset;
+  p.page_stride = page_stride;
+  p.page_size = page_size;
+  p.num_kv_heads = num_kv_heads;
+  if (page_size < 1 || num_kv_heads < 1) return 0;
+  CUtensorMap maps[2];
+  return pw_prefill_sm90::encode_kv_maps(p, maps) ? 1 : 0;
 }
 
 // Human-readable name of a status code returned by pw_prefill_hd256_bf16_sm90.

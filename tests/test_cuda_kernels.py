@@ -81,6 +81,22 @@ def test_prefill_kernel_against_float64(geometry, window_left):
     assert torch.isnan(lse[rows:]).all()
 
 
+@pytest.mark.parametrize("page_size, bulk", [(1, 0), (5, 0), (8, 1), (16, 1), (32, 1), (48, 0), (64, 1), (128, 1)])
+def test_sm90_kernel_copies_kv_tiles_in_bulk_where_the_page_size_allows(page_size, bulk):
+    """The wgmma kernel's K/V copy: bulk tensor copies for page sizes 8, 16, 32 and multiples of 64, else cp.async
+    (GEOMETRIES run both)."""
+    from pagedwindow.cuda import ops
+    from pagedwindow.layout import checked_paged_geometry
+
+    layout = pw.PagedKvLayout(2, 8, D, page_size)
+    pool = layout.allocate(3, device="cuda")
+    geo = checked_paged_geometry("test", layout, pool, 1, D, 8)
+    lib = ops.library(pool.device)
+    mode = lib.pw_prefill_hd256_sm90_kv_copy_mode(pool.data_ptr(), geo.k_offset, geo.v_offset, geo.page_stride,
+                                                  page_size, 8)
+    assert mode == bulk
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("page_size", [1, 5, 16, 64])
 def test_pool_write_bit_exact(dtype, page_size):

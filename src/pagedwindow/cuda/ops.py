@@ -46,6 +46,8 @@ def load(path) -> ctypes.CDLL:
     for name in ("pw_prefill_hd256_bf16", "pw_prefill_hd256_bf16_sm90"):
         getattr(lib, name).argtypes = _PREFILL_ARGS
         getattr(lib, name).restype = _c_int
+    lib.pw_prefill_hd256_sm90_kv_copy_mode.argtypes = [_p, _c_ll, _c_ll, _c_ll, _c_int, _c_int]
+    lib.pw_prefill_hd256_sm90_kv_copy_mode.restype = _c_int
     lib.pw_append_paged_kv.argtypes = _APPEND_ARGS
     lib.pw_append_paged_kv.restype = _c_int
     for name in ("pw_prefill_hd256_error_string", "pw_prefill_hd256_sm90_error_string",

@@ -35,6 +35,7 @@
 #include <atomic>
 
 #include "prefill_launch.cuh"  // status codes, PwPrefillParams, argument checks
+#include "online_softmax.cuh"  // mask + online-softmax step shared with the sm_90a kernel
 #include "ptx_common.cuh"      // PTX helpers both prefill kernels use
 
 // K/V buffering of the 64-row tile: 0 = choose per device (default), 1 or 2 = force.
@@ -279,52 +280,12 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1))
       }
     }
 
-    // ---- mask boundary tiles only
+    // ---- mask boundary tiles only, then the online softmax (log2 domain): s becomes P
+    auto at = [&](int n, int e) -> float& { return s[n][e]; };
     const bool full_tile = (kb + kKvTile - 1 <= qpos_first) && (wl < 0 || kb >= qpos_last - wl);
-    if (!full_tile) {
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = kb + 8 * n + 2 * c4 + (e & 1);
-          const bool vis = (e < 2) ? (key >= lo0 && key <= qp0) : (key >= lo1 && key <= qp1);
-          if (!vis) s[n][e] = kNegInf;
-        }
-      }
-    }
-
-    // ---- online softmax (log2 domain)
-    float mx0 = kNegInf, mx1 = kNegInf;
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      mx0 = fmaxf(mx0, fmaxf(s[n][0], s[n][1]));
-      mx1 = fmaxf(mx1, fmaxf(s[n][2], s[n][3]));
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0 * sl2);  // sl2 > 0, so scaling commutes with max
-    const float mn1 = fmaxf(m1, mx1 * sl2);
-    // A row with nothing visible yet keeps max -inf: subtract 0 instead, so exp2(-inf - 0) = 0, not NaN.
-    const float mu0 = (mn0 == kNegInf) ? 0.f : mn0;
-    const float mu1 = (mn1 == kNegInf) ? 0.f : mn1;
-    const float alpha0 = fast_exp2(m0 - mu0);  // m0 == -inf -> 0 (O and l are still 0 then)
-    const float alpha1 = fast_exp2(m1 - mu1);
-    m0 = mn0;
-    m1 = mn1;
-    float rs0 = 0.f, rs1 = 0.f;
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      s[n][0] = fast_exp2(fmaf(s[n][0], sl2, -mu0));
-      s[n][1] = fast_exp2(fmaf(s[n][1], sl2, -mu0));
-      s[n][2] = fast_exp2(fmaf(s[n][2], sl2, -mu1));
-      s[n][3] = fast_exp2(fmaf(s[n][3], sl2, -mu1));
-      rs0 += s[n][0] + s[n][1];
-      rs1 += s[n][2] + s[n][3];
-    }
-    l0 = l0 * alpha0 + rs0;
-    l1 = l1 * alpha1 + rs1;
+    if (!full_tile) pw_softmax::mask_tile(at, kb, c4, lo0, qp0, lo1, qp1);
+    float alpha0, alpha1;
+    pw_softmax::softmax_step(at, sl2, m0, m1, l0, l1, alpha0, alpha1);
 #pragma unroll
     for (int n = 0; n < 32; ++n) {
       o[n][0] *= alpha0; o[n][1] *= alpha0;

@@ -59,6 +59,7 @@
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include "prefill_launch.cuh"  // status codes, PwPrefillParams, argument checks
+#include "online_softmax.cuh"  // mask + online-softmax step shared with prefill_hd256.cu
 #include "ptx_common.cuh"      // PTX helpers both prefill kernels use
 
 // Device-side watchdog on every mbarrier wait (1 = on, 0 = off): see mbar_wait.
@@ -618,50 +619,11 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
   // Neither O nor pf is touched here: a PV GEMM may still be reading pf and accumulating into O (ptxas
   // serialises every wgmma if a wgmma input register is written while any wgmma is in flight).
   auto softmax_p = [&](int j, float& alpha0, float& alpha1) {
+    auto at = [&](int n, int e) -> float& { return s[4 * n + e]; };
     const int kb = t.kv_start + j * kKvTile;
     const bool full_tile = (kb + kKvTile - 1 <= wq_first) && (wl < 0 || kb >= wq_last - wl);
-    if (!full_tile) {
-#pragma unroll
-      for (int n = 0; n < 8; ++n) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = kb + 8 * n + 2 * c4 + (e & 1);
-          const bool vis = (e < 2) ? (key >= lo0 && key <= qp0) : (key >= lo1 && key <= qp1);
-          if (!vis) s[4 * n + e] = kNegInf;
-        }
-      }
-    }
-    float mx0 = kNegInf, mx1 = kNegInf;
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      mx0 = fmaxf(mx0, fmaxf(s[4 * n + 0], s[4 * n + 1]));
-      mx1 = fmaxf(mx1, fmaxf(s[4 * n + 2], s[4 * n + 3]));
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0 * sl2);  // sl2 > 0, so scaling commutes with max
-    const float mn1 = fmaxf(m1, mx1 * sl2);
-    // A row with nothing visible yet keeps max -inf: subtract 0 instead, so exp2(-inf - 0) = 0, not NaN.
-    const float mu0 = (mn0 == kNegInf) ? 0.f : mn0;
-    const float mu1 = (mn1 == kNegInf) ? 0.f : mn1;
-    alpha0 = fast_exp2(m0 - mu0);  // m0 == -inf -> 0 (O and l are still 0 then)
-    alpha1 = fast_exp2(m1 - mu1);
-    m0 = mn0;
-    m1 = mn1;
-    float rs0 = 0.f, rs1 = 0.f;
-#pragma unroll
-    for (int n = 0; n < 8; ++n) {
-      s[4 * n + 0] = fast_exp2(fmaf(s[4 * n + 0], sl2, -mu0));
-      s[4 * n + 1] = fast_exp2(fmaf(s[4 * n + 1], sl2, -mu0));
-      s[4 * n + 2] = fast_exp2(fmaf(s[4 * n + 2], sl2, -mu1));
-      s[4 * n + 3] = fast_exp2(fmaf(s[4 * n + 3], sl2, -mu1));
-      rs0 += s[4 * n + 0] + s[4 * n + 1];
-      rs1 += s[4 * n + 2] + s[4 * n + 3];
-    }
-    l0 = l0 * alpha0 + rs0;
-    l1 = l1 * alpha1 + rs1;
+    if (!full_tile) pw_softmax::mask_tile(at, kb, c4, lo0, qp0, lo1, qp1);
+    pw_softmax::softmax_step(at, sl2, m0, m1, l0, l1, alpha0, alpha1);
   };
   // P (fp32, in s) -> bf16 wgmma A fragments in pf (same per-warp layout as mma.m16n8k16's A): k-step ks =
   // keys 16ks .. 16ks+15 = S n-tiles 2ks (keys +0..7) and 2ks+1 (keys +8..15). Only with no wgmma in flight.

@@ -1,0 +1,70 @@
+// pagedwindow: the mask and the online-softmax step both prefill kernels apply to one S tile.
+//
+// A warp holds 16 query rows x 64 keys of S in the mma.m16n8k16 / wgmma accumulator layout: at(n, e) is row
+// (e < 2 ? g : g + 8) of the warp's 16, key kb + 8n + 2 c4 + (e & 1), for n = 0..7, e = 0..3, where g = lane / 4
+// and c4 = lane % 4. `at` is any callable returning that element by reference (the kernels store S differently).
+#pragma once
+
+#include <math.h>
+
+#include "ptx_common.cuh"
+
+namespace pw_softmax {
+
+// Set to -inf the logits of keys a row cannot see: key k is visible from row 0 (g) iff lo0 <= k <= qp0, from
+// row 1 (g + 8) iff lo1 <= k <= qp1.
+template <class At>
+__device__ __forceinline__ void mask_tile(At at, int kb, int c4, int lo0, int qp0, int lo1, int qp1) {
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = kb + 8 * n + 2 * c4 + (e & 1);
+      const bool vis = (e < 2) ? (key >= lo0 && key <= qp0) : (key >= lo1 && key <= qp1);
+      if (!vis) at(n, e) = -INFINITY;
+    }
+  }
+}
+
+// One online-softmax step in the log2 domain (sl2 = sm_scale * log2(e) > 0). Advances each row's running max m
+// (of the scaled logits) and this thread's partial row sum l (quad-reduced at the end), leaves
+// P = exp2(s * sl2 - m_new) in the tile (fp32, in place), and returns alpha = exp2(m_old - m_new), the factor by
+// which the row's O must be rescaled before P V is added. A row with nothing visible yet keeps m = -inf and gets
+// P = 0 and alpha = 0, not NaN.
+template <class At>
+__device__ __forceinline__ void softmax_step(At at, float sl2, float& m0, float& m1, float& l0, float& l1,
+                                             float& alpha0, float& alpha1) {
+  float mx0 = -INFINITY, mx1 = -INFINITY;
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    mx0 = fmaxf(mx0, fmaxf(at(n, 0), at(n, 1)));
+    mx1 = fmaxf(mx1, fmaxf(at(n, 2), at(n, 3)));
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  const float mn0 = fmaxf(m0, mx0 * sl2);  // sl2 > 0, so scaling commutes with max
+  const float mn1 = fmaxf(m1, mx1 * sl2);
+  // A row with nothing visible yet keeps max -inf: subtract 0 instead, so exp2(-inf - 0) = 0, not NaN.
+  const float mu0 = (mn0 == -INFINITY) ? 0.f : mn0;
+  const float mu1 = (mn1 == -INFINITY) ? 0.f : mn1;
+  alpha0 = pw_ptx::fast_exp2(m0 - mu0);  // m0 == -inf -> 0 (O and l are still 0 then)
+  alpha1 = pw_ptx::fast_exp2(m1 - mu1);
+  m0 = mn0;
+  m1 = mn1;
+  float rs0 = 0.f, rs1 = 0.f;
+#pragma unroll
+  for (int n = 0; n < 8; ++n) {
+    at(n, 0) = pw_ptx::fast_exp2(fmaf(at(n, 0), sl2, -mu0));
+    at(n, 1) = pw_ptx::fast_exp2(fmaf(at(n, 1), sl2, -mu0));
+    at(n, 2) = pw_ptx::fast_exp2(fmaf(at(n, 2), sl2, -mu1));
+    at(n, 3) = pw_ptx::fast_exp2(fmaf(at(n, 3), sl2, -mu1));
+    rs0 += at(n, 0) + at(n, 1);
+    rs1 += at(n, 2) + at(n, 3);
+  }
+  l0 = l0 * alpha0 + rs0;
+  l1 = l1 * alpha1 + rs1;
+}
+
+}  // namespace pw_softmax

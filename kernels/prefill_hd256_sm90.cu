@@ -80,8 +80,7 @@ constexpr int kProducerThreads = 128;
 
 using Params = PwPrefillParams;
 
-constexpr int kStagesK = 2;  // K buffers
-constexpr int kStagesV = 2;  // V buffers
+constexpr int kStages = 2;  // K buffers, and as many V buffers
 
 // Compile-time configuration of one kernel instantiation.
 template <int kCtaQ, int kWG>
@@ -93,7 +92,7 @@ struct Cfg {
   static constexpr uint32_t kQBlockBytes = kRowsQ * 128; // one 64-column block of Q
   static constexpr uint32_t kQBytes = kRowsQ * 512;
   // + 1 KB alignment pad
-  static constexpr uint32_t kSmemBytes = 1024 + kQBytes + (kStagesK + kStagesV) * kKvBytes;
+  static constexpr uint32_t kSmemBytes = 1024 + kQBytes + 2u * kStages * kKvBytes;
   static constexpr int kMinBlocks = 1;
   // Two consumer warpgroups + the producer (384 threads) get 168 registers each at launch; setmaxnreg moves
   // them to the consumers (FlashAttention-3's split for a cp.async producer): 128 * 40 + 256 * 232 = 64512.
@@ -103,7 +102,7 @@ struct Cfg {
   static constexpr uint32_t kConsumerRegs = 232;
   static_assert(!kSetMaxNReg || kProducerThreads * kProducerRegs + 128 * kWG * kConsumerRegs <= 65536,
                 "setmaxnreg budget exceeds the register file");
-  static constexpr int kNumBarriers = 1 + 2 * (kStagesK + kStagesV);  // q_full, full_k/v[], empty_k/v[]
+  static constexpr int kNumBarriers = 1 + 4 * kStages;  // q_full, full_k[], full_v[], empty_k[], empty_v[]
 };
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -326,26 +325,24 @@ __device__ __forceinline__ Geo tile_geometry(const Params& p, int tile) {
 // Shared-memory map of one CTA (byte addresses in the shared window).
 template <int kCtaQ, int kWG>
 struct Smem {
-  uint32_t q, k, v;  // Q | K[kStagesK] | V[kStagesV], q aligned to 1024 B (the swizzle atom)
-  uint32_t bar;      // q_full, full_k[kStagesK], full_v[kStagesV], empty_k[kStagesK], empty_v[kStagesV] (8 B each)
+  uint32_t q, k, v;  // Q | K[kStages] | V[kStages], q aligned to 1024 B (the swizzle atom)
+  uint32_t bar;      // q_full, full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages] (8 B each)
   __device__ __forceinline__ Smem(const void* dyn, const void* bars) {
     q = (smem_addr(dyn) + 1023u) & ~1023u;
     k = q + Cfg<kCtaQ, kWG>::kQBytes;
-    v = k + kStagesK * kKvBytes;
+    v = k + kStages * kKvBytes;
     bar = smem_addr(bars);
   }
   __device__ __forceinline__ uint32_t q_full() const { return bar; }
   __device__ __forceinline__ uint32_t full_k(int s) const { return bar + 8u * (1 + s); }
-  __device__ __forceinline__ uint32_t full_v(int s) const { return bar + 8u * (1 + kStagesK + s); }
-  __device__ __forceinline__ uint32_t empty_k(int s) const { return bar + 8u * (1 + kStagesK + kStagesV + s); }
-  __device__ __forceinline__ uint32_t empty_v(int s) const { return bar + 8u * (1 + 2 * kStagesK + kStagesV + s); }
+  __device__ __forceinline__ uint32_t full_v(int s) const { return bar + 8u * (1 + kStages + s); }
+  __device__ __forceinline__ uint32_t empty_k(int s) const { return bar + 8u * (1 + 2 * kStages + s); }
+  __device__ __forceinline__ uint32_t empty_v(int s) const { return bar + 8u * (1 + 3 * kStages + s); }
 };
 
-// Buffer of KV tile j in a ring of kN buffers, and the parity of that buffer's j-th use (use j / kN).
-template <int kN>
-__device__ __forceinline__ int ring_stage(int j) { return j % kN; }
-template <int kN>
-__device__ __forceinline__ uint32_t ring_parity(int j) { return static_cast<uint32_t>((j / kN) & 1); }
+// Buffer of KV tile j, and the parity of the mbarrier phase of that buffer's use by tile j (its use j / kStages).
+__device__ __forceinline__ int stage_of(int j) { return j % kStages; }
+__device__ __forceinline__ uint32_t parity_of(int j) { return static_cast<uint32_t>((j / kStages) & 1); }
 
 // Producer, cp.async copy: 16 rows of a 64-key tile (rows 16*pw .. 16*pw + 15; lane = 16-byte chunk). `off`
 // holds, in lane i < 16, the pool element offset of row 16*pw + i (or -1: outside [kv_lo, kv_hi), zero-filled).
@@ -438,14 +435,14 @@ __device__ __forceinline__ void producer_cp_async(const Params& p, const Smem<kC
       ++pi;
     }
     if (row_valid(pos)) page = __ldg(pages + pi);  // tile j+1 (never past kv_hi: no read beyond the last tile)
-    mbar_wait<true>(sm.empty_k(ring_stage<kStagesK>(j)), ring_parity<kStagesK>(j) ^ 1);  // first use passes
-    issue_kv_rows(sm.k + ring_stage<kStagesK>(j) * kKvBytes, p.pool + p.k_offset + lane * 8, p.pool, off, warp,
-                  lane);
-    cp_async_mbar_arrive(sm.full_k(ring_stage<kStagesK>(j)));
-    mbar_wait<true>(sm.empty_v(ring_stage<kStagesV>(j)), ring_parity<kStagesV>(j) ^ 1);
-    issue_kv_rows(sm.v + ring_stage<kStagesV>(j) * kKvBytes, p.pool + p.v_offset + lane * 8, p.pool, off, warp,
-                  lane);
-    cp_async_mbar_arrive(sm.full_v(ring_stage<kStagesV>(j)));
+    const int st = stage_of(j);
+    const uint32_t empty_parity = parity_of(j) ^ 1;  // the first use of a buffer passes at once
+    mbar_wait<true>(sm.empty_k(st), empty_parity);
+    issue_kv_rows(sm.k + st * kKvBytes, p.pool + p.k_offset + lane * 8, p.pool, off, warp, lane);
+    cp_async_mbar_arrive(sm.full_k(st));
+    mbar_wait<true>(sm.empty_v(st), empty_parity);
+    issue_kv_rows(sm.v + st * kKvBytes, p.pool + p.v_offset + lane * 8, p.pool, off, warp, lane);
+    cp_async_mbar_arrive(sm.full_v(st));
   }
   cp_async_wait_all();  // leave no copy in flight behind an exiting thread
 }
@@ -519,8 +516,8 @@ __device__ __forceinline__ void producer_tma(const Params& p, const Smem<kCtaQ, 
       ++pi;
     }
     if (box_inside(pos)) page = __ldg(pages + pi);  // tile j+1
-    const int st = is_k ? ring_stage<kStagesK>(j) : ring_stage<kStagesV>(j);
-    const uint32_t par = is_k ? ring_parity<kStagesK>(j) : ring_parity<kStagesV>(j);
+    const int st = stage_of(j);
+    const uint32_t par = parity_of(j);
     const uint32_t buf = (is_k ? sm.k : sm.v) + st * kKvBytes;
     const uint32_t full = is_k ? sm.full_k(st) : sm.full_v(st);
     mbar_wait<true>(is_k ? sm.empty_k(st) : sm.empty_v(st), par ^ 1);  // the first use passes at once
@@ -685,17 +682,17 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
 #pragma unroll 1
     for (int j = 0; j < n_tiles - 1; ++j) {
       const int j1 = j + 1;
-      mbar_wait<false>(sm.full_k(ring_stage<kStagesK>(j1)), ring_parity<kStagesK>(j1));
-      mbar_wait<false>(sm.full_v(ring_stage<kStagesV>(j)), ring_parity<kStagesV>(j));
+      mbar_wait<false>(sm.full_k(stage_of(j1)), parity_of(j1));
+      mbar_wait<false>(sm.full_v(stage_of(j)), parity_of(j));
       fence_proxy_async();
       // ---- turn j+1: S(j+1), then PV(j) (two commit groups, in this order)
       if constexpr (kWG == 2) named_bar_sync(kBarSched + cw, 256);
       wgmma_fence();
 #pragma unroll
       for (int i = 0; i < 128; ++i) reg_fence(o[i]);
-      gemm_s(ring_stage<kStagesK>(j1));
+      gemm_s(stage_of(j1));
       wgmma_commit();
-      gemm_pv(ring_stage<kStagesV>(j));
+      gemm_pv(stage_of(j));
       wgmma_commit();
       if constexpr (kWG == 2) named_bar_arrive(kBarSched + (1 - cw), 256);
       wgmma_wait<1>();  // S(j+1) has completed; PV(j) may still run
@@ -705,7 +702,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
       // Release K(j+1). The condition is always true (l0, l1 >= 0, or NaN), but it makes the arrive depend on
       // the softmax, which keeps ptxas from sinking the softmax below the wait for PV(j) (losing the overlap).
       __syncwarp();
-      if (lane == 0 && !(l0 + l1 < 0.f)) mbar_arrive(sm.empty_k(ring_stage<kStagesK>(j1)));
+      if (lane == 0 && !(l0 + l1 < 0.f)) mbar_arrive(sm.empty_k(stage_of(j1)));
       wgmma_wait<0>();  // PV(j) has completed
 #pragma unroll
       for (int i = 0; i < 128; ++i) reg_fence(o[i]);
@@ -713,19 +710,19 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
       for (int ks = 0; ks < 4; ++ks) {
         reg_fence_u32(pf[ks][0]); reg_fence_u32(pf[ks][1]); reg_fence_u32(pf[ks][2]); reg_fence_u32(pf[ks][3]);
       }
-      release(sm.empty_v(ring_stage<kStagesV>(j)));
+      release(sm.empty_v(stage_of(j)));
       rescale_o(alpha0, alpha1);
       pack_p();
     }
 
     // ---- turn n: PV(n-1)
-    mbar_wait<false>(sm.full_v(ring_stage<kStagesV>(n_tiles - 1)), ring_parity<kStagesV>(n_tiles - 1));
+    mbar_wait<false>(sm.full_v(stage_of(n_tiles - 1)), parity_of(n_tiles - 1));
     fence_proxy_async();
     if constexpr (kWG == 2) named_bar_sync(kBarSched + cw, 256);
     wgmma_fence();
 #pragma unroll
     for (int i = 0; i < 128; ++i) reg_fence(o[i]);
-    gemm_pv(ring_stage<kStagesV>(n_tiles - 1));
+    gemm_pv(stage_of(n_tiles - 1));
     wgmma_commit();
     if constexpr (kWG == 2) {
       if (cw == 0) named_bar_arrive(kBarSched + 1, 256);
@@ -812,13 +809,10 @@ __global__ void __launch_bounds__(Cfg<kCtaQ, kWG>::kThreads, Cfg<kCtaQ, kWG>::kM
     mbar_init(sm.q_full(), kProducerThreads);
     constexpr uint32_t kFullCount = kTma ? 1 : kProducerThreads;
 #pragma unroll
-    for (int s = 0; s < kStagesK; ++s) {
+    for (int s = 0; s < kStages; ++s) {
       mbar_init(sm.full_k(s), kFullCount);
-      mbar_init(sm.empty_k(s), 4 * kWG);
-    }
-#pragma unroll
-    for (int s = 0; s < kStagesV; ++s) {
       mbar_init(sm.full_v(s), kFullCount);
+      mbar_init(sm.empty_k(s), 4 * kWG);
       mbar_init(sm.empty_v(s), 4 * kWG);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -843,8 +837,9 @@ __global__ void __launch_bounds__(Cfg<kCtaQ, kWG>::kThreads, Cfg<kCtaQ, kWG>::kM
 constexpr int kMaxDevices = 64;
 
 // Is this build's kernel usable on `device`? Device must be compute capability 9.0 and the kernel binary sm_90
-// with the sm_90a body (it alone declares static shared memory). Cached per device id.
-template <int kCtaQ, int kWG, bool kTma>
+// with the sm_90a body (it alone declares static shared memory). Both K/V copy instantiations of a tile come
+// from one build, so the bulk-copy one stands for both. Cached per device id.
+template <int kCtaQ, int kWG>
 static int check_arch(int device) {
   static std::atomic<int> cache[kMaxDevices];  // 0 unknown, 1 usable, 2 not usable
   if (device >= 0 && device < kMaxDevices) {
@@ -859,7 +854,7 @@ static int check_arch(int device) {
   bool usable = (major == 9 && minor == 0);
   if (usable) {
     cudaFuncAttributes attr;
-    e = cudaFuncGetAttributes(&attr, pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, kTma>);
+    e = cudaFuncGetAttributes(&attr, pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, true>);
     if (e != cudaSuccess) {
       (void)cudaGetLastError();  // no kernel image for this device: clear it, report our own code
       usable = false;
@@ -889,34 +884,10 @@ static int ensure_smem(int device) {
   return 0;
 }
 
-template <int kCtaQ, int kWG, bool kTma>
-static int launch(const Params& p, const CUtensorMap& map_k, const CUtensorMap& map_v, int grid_tiles, int device,
-                  cudaStream_t stream) {
-  using C = Cfg<kCtaQ, kWG>;
-  int rc = check_arch<kCtaQ, kWG, kTma>(device);
-  if (rc != 0) return rc;
-  if (grid_tiles == 0) return PW_PREFILL_OK;  // nothing to launch
-  rc = ensure_smem<kCtaQ, kWG, kTma>(device);
-  if (rc != 0) return rc;
-  const dim3 grid(static_cast<unsigned>(grid_tiles), static_cast<unsigned>(p.num_kv_heads), 1);
-  pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, kTma><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, map_k, map_v);
-  return static_cast<int>(cudaGetLastError());
-}
-
-template <int kCtaQ, int kWG>
-static int launch_tile(const Params& p, const CUtensorMap* maps, int grid_tiles, int device, cudaStream_t stream) {
-  if (maps != nullptr) return launch<kCtaQ, kWG, true>(p, maps[0], maps[1], grid_tiles, device, stream);
-  CUtensorMap unused;
-  memset(&unused, 0, sizeof(unused));
-  return launch<kCtaQ, kWG, false>(p, unused, unused, grid_tiles, device, stream);
-}
-
-// cuTensorMapEncodeTiled from the driver the runtime has loaded (no link-time dependency on libcuda); null when
-// the driver does not provide it.
+// cuTensorMapEncodeTiled from the driver the runtime has loaded (no link-time dependency on libcuda), looked up
+// once; null when the driver does not provide it.
 static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static std::atomic<PFN_cuTensorMapEncodeTiled_v12000> fn{nullptr};
-  static std::atomic<int> looked{0};
-  if (!looked.load(std::memory_order_acquire)) {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
     void* f = nullptr;
     cudaDriverEntryPointQueryResult q;
     if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
@@ -924,41 +895,63 @@ static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
       (void)cudaGetLastError();
       f = nullptr;
     }
-    fn.store(reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f), std::memory_order_release);
-    looked.store(1, std::memory_order_release);
-  }
-  return fn.load(std::memory_order_acquire);
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f);
+  }();
+  return fn;
 }
 
 // Tensor maps for bulk copies of K (maps[0]) and V (maps[1]) tiles: the pool seen as the 4-D tensor
 // {head dim 256, kv head, slot, page} (innermost first) from pool + k_offset / v_offset, strides 512 B,
 // num_kv_heads * 512 B, page_stride * 2 B; box {64, 1, min(page_size, 64), 1}, 128-byte swizzle. The page
-// extent is the int32 limit: page ids are int32 and checked against the pool before launch. Returns false
-// (use cp.async) when the page size is not 8, 16, 32 or a multiple of 64, when an address or stride is not
-// 16-byte aligned, or when the driver cannot encode the maps.
-static bool encode_kv_maps(const Params& p, CUtensorMap* maps) {
-  const int ps = p.page_size;
-  if (!(ps % kKvTile == 0 || (kKvTile % ps == 0 && ps >= 8))) return false;
-  const uint64_t elem = sizeof(__nv_bfloat16);
-  const uint64_t k_addr = reinterpret_cast<uint64_t>(p.pool + p.k_offset);
-  const uint64_t v_addr = reinterpret_cast<uint64_t>(p.pool + p.v_offset);
-  if (k_addr % 16 != 0 || v_addr % 16 != 0 || (static_cast<uint64_t>(p.page_stride) * elem) % 16 != 0) return false;
+// extent is the int32 limit: page ids are int32 and checked against the pool before launch. The 16-byte
+// alignment the maps need is pw_prefill_prepare's (-5). Returns false (use cp.async) when the page size is not
+// 8, 16, 32 or a multiple of 64, or when the driver cannot encode the maps.
+static bool encode_kv_maps(const void* pool, long long k_offset, long long v_offset, long long page_stride,
+                           int page_size, int num_kv_heads, CUtensorMap* maps) {
+  if (!(page_size % kKvTile == 0 || (kKvTile % page_size == 0 && page_size >= 8))) return false;
   const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
   if (encode == nullptr) return false;
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(kPwPrefillHeadDim), static_cast<cuuint64_t>(p.num_kv_heads),
-                              static_cast<cuuint64_t>(ps), 0x7fffffffull};
-  const cuuint64_t strides[3] = {kPwPrefillHeadDim * elem, static_cast<cuuint64_t>(p.num_kv_heads) * kPwPrefillHeadDim * elem,
-                                 static_cast<cuuint64_t>(p.page_stride) * elem};
-  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(ps < kKvTile ? ps : kKvTile), 1};
+  const cuuint64_t elem = sizeof(__nv_bfloat16);
+  const cuuint64_t dims[4] = {kPwPrefillHeadDim, static_cast<cuuint64_t>(num_kv_heads),
+                              static_cast<cuuint64_t>(page_size), 0x7fffffffull};
+  const cuuint64_t strides[3] = {kPwPrefillHeadDim * elem, num_kv_heads * kPwPrefillHeadDim * elem,
+                                 static_cast<cuuint64_t>(page_stride) * elem};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(page_size < kKvTile ? page_size : kKvTile), 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};
+  const long long offsets[2] = {k_offset, v_offset};
   for (int i = 0; i < 2; ++i) {
-    const CUresult r = encode(&maps[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4,
-                              reinterpret_cast<void*>(i == 0 ? k_addr : v_addr), dims, strides, box, unit,
+    void* base = const_cast<__nv_bfloat16*>(static_cast<const __nv_bfloat16*>(pool) + offsets[i]);
+    const CUresult r = encode(&maps[i], CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, base, dims, strides, box, unit,
                               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
     if (r != CUDA_SUCCESS) return false;
   }
   return true;
+}
+
+template <int kCtaQ, int kWG, bool kTma>
+static int start(const Params& p, const CUtensorMap (&maps)[2], int grid_tiles, int device, cudaStream_t stream) {
+  using C = Cfg<kCtaQ, kWG>;
+  const int rc = ensure_smem<kCtaQ, kWG, kTma>(device);
+  if (rc != 0) return rc;
+  const dim3 grid(static_cast<unsigned>(grid_tiles), static_cast<unsigned>(p.num_kv_heads), 1);
+  pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, kTma><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, maps[0], maps[1]);
+  return static_cast<int>(cudaGetLastError());
+}
+
+// The device/binary check (both instantiations of a tile come from one build), the empty-grid return, then the
+// K/V copy path: bulk copies when the maps encode, else cp.async (the maps are then passed unused).
+template <int kCtaQ, int kWG>
+static int launch(const Params& p, int grid_tiles, int device, cudaStream_t stream) {
+  const int rc = check_arch<kCtaQ, kWG>(device);
+  if (rc != 0) return rc;
+  if (grid_tiles == 0) return PW_PREFILL_OK;  // nothing to launch
+  CUtensorMap maps[2];
+  if (encode_kv_maps(p.pool, p.k_offset, p.v_offset, p.page_stride, p.page_size, p.num_kv_heads, maps)) {
+    return start<kCtaQ, kWG, true>(p, maps, grid_tiles, device, stream);
+  }
+  memset(maps, 0, sizeof(maps));
+  return start<kCtaQ, kWG, false>(p, maps, grid_tiles, device, stream);
 }
 
 }  // namespace pw_prefill_sm90
@@ -986,15 +979,13 @@ extern "C" int pw_prefill_hd256_bf16_sm90(const void* q, void* out, float* lse, 
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return static_cast<int>(e);
-  CUtensorMap maps[2];
-  const CUtensorMap* const use_maps = encode_kv_maps(p, maps) ? maps : nullptr;
   switch (cta_tile_q) {
     case 16:
-      return launch_tile<16, 1>(p, use_maps, grid_tiles, device, s);
+      return launch<16, 1>(p, grid_tiles, device, s);
     case 64:
-      return launch_tile<64, 1>(p, use_maps, grid_tiles, device, s);
+      return launch<64, 1>(p, grid_tiles, device, s);
     default:  // 128
-      return launch_tile<128, 2>(p, use_maps, grid_tiles, device, s);
+      return launch<128, 2>(p, grid_tiles, device, s);
   }
 }
 
@@ -1002,17 +993,9 @@ extern "C" int pw_prefill_hd256_bf16_sm90(const void* q, void* out, float* lse, 
 // 0 = cp.async. (The same decision the launcher makes; it does not depend on the plan.)
 extern "C" int pw_prefill_hd256_sm90_kv_copy_mode(const void* pool, long long k_offset, long long v_offset,
                                                   long long page_stride, int page_size, int num_kv_heads) {
-  pw_prefill_sm90::Params p;
-  memset(&p, 0, sizeof(p));
-  p.pool = static_cast<const __nv_bfloat16*>(pool);
-  p.k_offset = k_offset;
-  p.v_offset = v_offset;
-  p.page_stride = page_stride;
-  p.page_size = page_size;
-  p.num_kv_heads = num_kv_heads;
-  if (page_size < 1 || num_kv_heads < 1) return 0;
+  if (pool == nullptr || page_size < 1 || num_kv_heads < 1 || page_stride < 1) return 0;
   CUtensorMap maps[2];
-  return pw_prefill_sm90::encode_kv_maps(p, maps) ? 1 : 0;
+  return pw_prefill_sm90::encode_kv_maps(pool, k_offset, v_offset, page_stride, page_size, num_kv_heads, maps) ? 1 : 0;
 }
 
 // Human-readable name of a status code returned by pw_prefill_hd256_bf16_sm90.

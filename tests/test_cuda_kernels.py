@@ -5,6 +5,8 @@ import pytest
 import torch
 
 import pagedwindow as pw
+from pagedwindow.cuda import ops
+from pagedwindow.layout import checked_paged_geometry
 from tests.cases import dense_attention, make_case
 
 pytestmark = pytest.mark.cuda
@@ -85,9 +87,6 @@ def test_prefill_kernel_against_float64(geometry, window_left):
 def test_sm90_kernel_copies_kv_tiles_in_bulk_where_the_page_size_allows(page_size, bulk):
     """The wgmma kernel's K/V copy: bulk tensor copies for page sizes 8, 16, 32 and multiples of 64, else cp.async
     (GEOMETRIES run both)."""
-    from pagedwindow.cuda import ops
-    from pagedwindow.layout import checked_paged_geometry
-
     layout = pw.PagedKvLayout(2, 8, D, page_size)
     pool = layout.allocate(3, device="cuda")
     geo = checked_paged_geometry("test", layout, pool, 1, D, 8)

@@ -96,12 +96,40 @@ static int launch(const Params& p, cudaStream_t stream) {
 
 }  // namespace pw_append
 
-extern "C" int pw_append_paged_kv(const void* k, const void* v, void* pool, long long k_offset, long long v_offset,
-                                  long long page_stride, int page_size, int num_kv_heads, int head_dim,
-                                  int elem_bytes, const int* page_indices, const int* page_indptr,
-                                  const int* last_page_len, const int* qo_indptr, const int* plan_scalars,
-                                  int batch_capacity, int token_capacity, void* stream) {
+// The launch parameter block (mirrored by a ctypes.Structure in src/pagedwindow/cuda/ops.py; the host checks
+// sizeof against pw_append_launch_size()). Pointers are device addresses; offsets and strides in elements.
+struct PwAppendLaunch {
+  const void* k;             // [rows, num_kv_heads, head_dim]
+  const void* v;             // [rows, num_kv_heads, head_dim]
+  void* pool;                // the paged KV pool (same dtype)
+  long long k_offset;
+  long long v_offset;
+  long long page_stride;
+  const int* page_indices;   // plan arrays (int32, device)
+  const int* page_indptr;
+  const int* last_page_len;
+  const int* qo_indptr;
+  const int* plan_scalars;   // {batch_size, total_tokens, num_tiles}
+  int page_size;
+  int num_kv_heads;
+  int head_dim;
+  int elem_bytes;            // 2 (bf16/fp16) or 4 (fp32)
+  int batch_capacity;        // the plan's capacities (the live sizes are read from plan_scalars)
+  int token_capacity;
+};
+
+// Validate `a`, then launch on `stream`. Returns 0, a negative status (nothing launched) or a cudaError_t.
+extern "C" int pw_append_paged_kv(const PwAppendLaunch* a, void* stream) {
   using namespace pw_append;
+  if (a == nullptr) return PW_APPEND_ERR_NULL_POINTER;
+  const void* const k = a->k;
+  const void* const v = a->v;
+  void* const pool = a->pool;
+  const long long k_offset = a->k_offset, v_offset = a->v_offset, page_stride = a->page_stride;
+  const int page_size = a->page_size, num_kv_heads = a->num_kv_heads, head_dim = a->head_dim;
+  const int elem_bytes = a->elem_bytes, batch_capacity = a->batch_capacity, token_capacity = a->token_capacity;
+  const int *page_indices = a->page_indices, *page_indptr = a->page_indptr, *last_page_len = a->last_page_len;
+  const int *qo_indptr = a->qo_indptr, *plan_scalars = a->plan_scalars;
   if (k == nullptr || v == nullptr || pool == nullptr || page_indices == nullptr || page_indptr == nullptr ||
       last_page_len == nullptr || qo_indptr == nullptr || plan_scalars == nullptr)
     return PW_APPEND_ERR_NULL_POINTER;
@@ -147,6 +175,9 @@ extern "C" int pw_append_paged_kv(const void* k, const void* v, void* pool, long
   if ((bits & 3u) == 0) return launch<unsigned int>(p, s);
   return launch<unsigned short>(p, s);  // elem_bytes == 2 and only 2-byte alignment
 }
+
+// sizeof(PwAppendLaunch), for the host's check of its mirror of the struct.
+extern "C" int pw_append_launch_size(void) { return static_cast<int>(sizeof(PwAppendLaunch)); }
 
 extern "C" const char* pw_append_paged_kv_error_string(int code) {
   switch (code) {

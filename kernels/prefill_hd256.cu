@@ -439,26 +439,21 @@ static int launch(const Params& p, int grid_tiles, int device, cudaStream_t stre
 
 }  // namespace pw_prefill
 
-extern "C" int pw_prefill_hd256_bf16(const void* q, void* out, float* lse, const void* pool, long long k_offset,
-                                     long long v_offset, long long page_stride, int page_size, int num_qo_heads,
-                                     int num_kv_heads, const int* page_indices, const int* page_indptr,
-                                     const int* last_page_len, const int* qo_indptr, const int* request_indices,
-                                     const int* qo_tile_indices, const int* plan_scalars, int grid_tiles,
-                                     int cta_tile_q, float sm_scale, int window_left, void* stream) {
+// Validate `a` (PwPrefillLaunch, prefill_launch.cuh), then launch on `stream`. Returns 0, a negative status
+// (nothing launched) or a cudaError_t.
+extern "C" int pw_prefill_hd256_bf16(const PwPrefillLaunch* a, void* stream) {
   using namespace pw_prefill;
   Params p;
-  const int status = pw_prefill_prepare(q, out, lse, pool, k_offset, v_offset, page_stride, page_size, num_qo_heads,
-                                        num_kv_heads, page_indices, page_indptr, last_page_len, qo_indptr,
-                                        request_indices, qo_tile_indices, plan_scalars, grid_tiles, cta_tile_q,
-                                        sm_scale, window_left, &p);
+  const int status = pw_prefill_prepare(a, &p);
   if (status != PW_PREFILL_OK) return status;
+  const int grid_tiles = a->grid_tiles;
   if (grid_tiles == 0) return PW_PREFILL_OK;  // nothing to launch
 
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return static_cast<int>(e);
-  switch (cta_tile_q) {
+  switch (a->cta_tile_q) {
     case 16:
       return launch<1, 1>(p, grid_tiles, device, s);
     case 64: {
@@ -477,6 +472,9 @@ extern "C" int pw_prefill_hd256_bf16(const void* q, void* out, float* lse, const
       return launch<8, 1>(p, grid_tiles, device, s);
   }
 }
+
+// sizeof(PwPrefillLaunch), for the host's check of its mirror of the struct.
+extern "C" int pw_prefill_launch_size(void) { return static_cast<int>(sizeof(PwPrefillLaunch)); }
 
 // Human-readable name of a status code returned by pw_prefill_hd256_bf16.
 extern "C" const char* pw_prefill_hd256_error_string(int code) { return pw_prefill_status_string(code); }

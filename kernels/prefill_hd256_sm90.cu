@@ -939,6 +939,40 @@ static int start(const Params& p, const CUtensorMap (&maps)[2], int grid_tiles, 
   return static_cast<int>(cudaGetLastError());
 }
 
+// encode_kv_maps behind a small per-thread cache: a serving loop launches on the same pool and layer every step,
+// and the maps depend only on these six values. Entries are replaced in turn.
+static bool cached_kv_maps(const void* pool, long long k_offset, long long v_offset, long long page_stride,
+                           int page_size, int num_kv_heads, CUtensorMap* maps) {
+  constexpr int kEntries = 4;
+  struct Entry {
+    const void* pool;
+    long long k_offset, v_offset, page_stride;
+    int page_size, num_kv_heads;
+    bool ok;
+    CUtensorMap maps[2];
+  };
+  thread_local Entry cache[kEntries] = {};
+  thread_local int next = 0;
+  for (const Entry& e : cache) {
+    if (e.pool == pool && e.pool != nullptr && e.k_offset == k_offset && e.v_offset == v_offset &&
+        e.page_stride == page_stride && e.page_size == page_size && e.num_kv_heads == num_kv_heads) {
+      memcpy(maps, e.maps, sizeof(e.maps));
+      return e.ok;
+    }
+  }
+  Entry& e = cache[next];
+  next = (next + 1) % kEntries;
+  e.ok = encode_kv_maps(pool, k_offset, v_offset, page_stride, page_size, num_kv_heads, e.maps);
+  e.pool = pool;
+  e.k_offset = k_offset;
+  e.v_offset = v_offset;
+  e.page_stride = page_stride;
+  e.page_size = page_size;
+  e.num_kv_heads = num_kv_heads;
+  memcpy(maps, e.maps, sizeof(e.maps));
+  return e.ok;
+}
+
 // The device/binary check (both instantiations of a tile come from one build), the empty-grid return, then the
 // K/V copy path: bulk copies when the maps encode, else cp.async (the maps are then passed unused).
 template <int kCtaQ, int kWG>
@@ -947,7 +981,7 @@ static int launch(const Params& p, int grid_tiles, int device, cudaStream_t stre
   if (rc != 0) return rc;
   if (grid_tiles == 0) return PW_PREFILL_OK;  // nothing to launch
   CUtensorMap maps[2];
-  if (encode_kv_maps(p.pool, p.k_offset, p.v_offset, p.page_stride, p.page_size, p.num_kv_heads, maps)) {
+  if (cached_kv_maps(p.pool, p.k_offset, p.v_offset, p.page_stride, p.page_size, p.num_kv_heads, maps)) {
     return start<kCtaQ, kWG, true>(p, maps, grid_tiles, device, stream);
   }
   memset(maps, 0, sizeof(maps));
@@ -956,30 +990,21 @@ static int launch(const Params& p, int grid_tiles, int device, cudaStream_t stre
 
 }  // namespace pw_prefill_sm90
 
-// Same parameter list and semantics as pw_prefill_hd256_bf16 (prefill_hd256.cu). Returns -12 (launching
+// Same parameter block and semantics as pw_prefill_hd256_bf16 (prefill_hd256.cu). Returns -12 (launching
 // nothing) when the current device is not compute capability 9.0 or this library's kernel is not the sm_90a
 // build; that check comes after the argument checks and before the grid_tiles == 0 early return.
-extern "C" int pw_prefill_hd256_bf16_sm90(const void* q, void* out, float* lse, const void* pool,
-                                          long long k_offset, long long v_offset, long long page_stride,
-                                          int page_size, int num_qo_heads, int num_kv_heads,
-                                          const int* page_indices, const int* page_indptr,
-                                          const int* last_page_len, const int* qo_indptr,
-                                          const int* request_indices, const int* qo_tile_indices,
-                                          const int* plan_scalars, int grid_tiles, int cta_tile_q, float sm_scale,
-                                          int window_left, void* stream) {
+extern "C" int pw_prefill_hd256_bf16_sm90(const PwPrefillLaunch* a, void* stream) {
   using namespace pw_prefill_sm90;
   Params p;
-  const int status = pw_prefill_prepare(q, out, lse, pool, k_offset, v_offset, page_stride, page_size, num_qo_heads,
-                                        num_kv_heads, page_indices, page_indptr, last_page_len, qo_indptr,
-                                        request_indices, qo_tile_indices, plan_scalars, grid_tiles, cta_tile_q,
-                                        sm_scale, window_left, &p);
+  const int status = pw_prefill_prepare(a, &p);
   if (status != PW_PREFILL_OK) return status;
+  const int grid_tiles = a->grid_tiles;
 
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return static_cast<int>(e);
-  switch (cta_tile_q) {
+  switch (a->cta_tile_q) {
     case 16:
       return launch<16, 1>(p, grid_tiles, device, s);
     case 64:

@@ -50,50 +50,73 @@ struct PwPrefillParams {
   float scale_log2;  // sm_scale * log2(e)
 };
 
-// Check a launch's arguments (in the documented order) and fill `p`; returns a status (PW_PREFILL_OK or < 0).
-static inline int pw_prefill_prepare(const void* q, void* out, float* lse, const void* pool, long long k_offset,
-                                     long long v_offset, long long page_stride, int page_size, int num_qo_heads,
-                                     int num_kv_heads, const int* page_indices, const int* page_indptr,
-                                     const int* last_page_len, const int* qo_indptr, const int* request_indices,
-                                     const int* qo_tile_indices, const int* plan_scalars, int grid_tiles,
-                                     int cta_tile_q, float sm_scale, int window_left, PwPrefillParams* p) {
-  if (q == nullptr || out == nullptr || pool == nullptr || page_indices == nullptr || page_indptr == nullptr ||
-      last_page_len == nullptr || qo_indptr == nullptr || request_indices == nullptr ||
-      qo_tile_indices == nullptr || plan_scalars == nullptr)
-    return PW_PREFILL_ERR_NULL_POINTER;
-  if (page_size < 1 || num_qo_heads < 1 || num_kv_heads < 1 || page_stride < 1 || grid_tiles < 0)
-    return PW_PREFILL_ERR_NONPOSITIVE_SIZE;
-  if (k_offset < 0 || v_offset < 0) return PW_PREFILL_ERR_NEGATIVE_OFFSET;
-  if (num_qo_heads % num_kv_heads != 0) return PW_PREFILL_ERR_HEAD_RATIO;
-  if (num_kv_heads > 65535 || num_qo_heads > (0x7fffffff / kPwPrefillHeadDim)) return PW_PREFILL_ERR_TOO_LARGE;
-  if (!(sm_scale > 0.f) || !isfinite(sm_scale)) return PW_PREFILL_ERR_BAD_SCALE;
-  if (window_left < -1) return PW_PREFILL_ERR_BAD_WINDOW;
-  if (((reinterpret_cast<uintptr_t>(q) | reinterpret_cast<uintptr_t>(out) | reinterpret_cast<uintptr_t>(pool)) &
-       15u) != 0 ||
-      (reinterpret_cast<uintptr_t>(lse) & 3u) != 0 || ((k_offset | v_offset | page_stride) & 7) != 0)
-    return PW_PREFILL_ERR_MISALIGNED;
-  if (cta_tile_q != 16 && cta_tile_q != 64 && cta_tile_q != 128) return PW_PREFILL_ERR_UNSUPPORTED_TILE;
+// The launch parameter block: what the host passes to either prefill launcher, in one struct (mirrored field by
+// field by a ctypes.Structure in src/pagedwindow/cuda/ops.py; pw_prefill_launch_size() lets the host check
+// the two agree). Pointers are device addresses; offsets and strides are in elements.
+struct PwPrefillLaunch {
+  const void* q;             // [rows, num_qo_heads, 256] bf16
+  void* out;                 // [rows, num_qo_heads, 256] bf16
+  float* lse;                // [rows, num_qo_heads] fp32, or NULL
+  const void* pool;          // the paged KV pool (bf16)
+  long long k_offset;        // the layer's K block within a page
+  long long v_offset;        // the layer's V block within a page
+  long long page_stride;     // elements of one page
+  const int* page_indices;   // plan arrays (int32, device)
+  const int* page_indptr;
+  const int* last_page_len;
+  const int* qo_indptr;
+  const int* request_indices;
+  const int* qo_tile_indices;
+  const int* plan_scalars;   // {batch_size, total_tokens, num_tiles}
+  int page_size;
+  int num_qo_heads;
+  int num_kv_heads;
+  int grid_tiles;            // grid x: the plan's tile capacity (the live count is read from plan_scalars)
+  int cta_tile_q;            // 16, 64 or 128
+  int window_left;           // inclusive distance, -1 = no window
+  float sm_scale;
+};
 
-  p->q = static_cast<const __nv_bfloat16*>(q);
-  p->out = static_cast<__nv_bfloat16*>(out);
-  p->lse = lse;
-  p->pool = static_cast<const __nv_bfloat16*>(pool);
-  p->k_offset = k_offset;
-  p->v_offset = v_offset;
-  p->page_stride = page_stride;
-  p->page_indices = page_indices;
-  p->page_indptr = page_indptr;
-  p->last_page_len = last_page_len;
-  p->qo_indptr = qo_indptr;
-  p->request_indices = request_indices;
-  p->qo_tile_indices = qo_tile_indices;
-  p->plan_scalars = plan_scalars;
-  p->page_size = page_size;
-  p->num_qo_heads = num_qo_heads;
-  p->num_kv_heads = num_kv_heads;
-  p->group = num_qo_heads / num_kv_heads;
-  p->window_left = window_left;
-  p->scale_log2 = sm_scale * 1.4426950408889634f;
+// Check a launch's arguments and fill `p`; returns a status (PW_PREFILL_OK or < 0). Nothing is launched.
+static inline int pw_prefill_prepare(const PwPrefillLaunch* a, PwPrefillParams* p) {
+  if (a == nullptr) return PW_PREFILL_ERR_NULL_POINTER;
+  if (a->q == nullptr || a->out == nullptr || a->pool == nullptr || a->page_indices == nullptr ||
+      a->page_indptr == nullptr || a->last_page_len == nullptr || a->qo_indptr == nullptr ||
+      a->request_indices == nullptr || a->qo_tile_indices == nullptr || a->plan_scalars == nullptr)
+    return PW_PREFILL_ERR_NULL_POINTER;
+  if (a->page_size < 1 || a->num_qo_heads < 1 || a->num_kv_heads < 1 || a->page_stride < 1 || a->grid_tiles < 0)
+    return PW_PREFILL_ERR_NONPOSITIVE_SIZE;
+  if (a->k_offset < 0 || a->v_offset < 0) return PW_PREFILL_ERR_NEGATIVE_OFFSET;
+  if (a->num_qo_heads % a->num_kv_heads != 0) return PW_PREFILL_ERR_HEAD_RATIO;
+  if (a->num_kv_heads > 65535 || a->num_qo_heads > (0x7fffffff / kPwPrefillHeadDim)) return PW_PREFILL_ERR_TOO_LARGE;
+  if (!(a->sm_scale > 0.f) || !isfinite(a->sm_scale)) return PW_PREFILL_ERR_BAD_SCALE;
+  if (a->window_left < -1) return PW_PREFILL_ERR_BAD_WINDOW;
+  if (((reinterpret_cast<uintptr_t>(a->q) | reinterpret_cast<uintptr_t>(a->out) |
+        reinterpret_cast<uintptr_t>(a->pool)) & 15u) != 0 ||
+      (reinterpret_cast<uintptr_t>(a->lse) & 3u) != 0 || ((a->k_offset | a->v_offset | a->page_stride) & 7) != 0)
+    return PW_PREFILL_ERR_MISALIGNED;
+  if (a->cta_tile_q != 16 && a->cta_tile_q != 64 && a->cta_tile_q != 128) return PW_PREFILL_ERR_UNSUPPORTED_TILE;
+
+  p->q = static_cast<const __nv_bfloat16*>(a->q);
+  p->out = static_cast<__nv_bfloat16*>(a->out);
+  p->lse = a->lse;
+  p->pool = static_cast<const __nv_bfloat16*>(a->pool);
+  p->k_offset = a->k_offset;
+  p->v_offset = a->v_offset;
+  p->page_stride = a->page_stride;
+  p->page_indices = a->page_indices;
+  p->page_indptr = a->page_indptr;
+  p->last_page_len = a->last_page_len;
+  p->qo_indptr = a->qo_indptr;
+  p->request_indices = a->request_indices;
+  p->qo_tile_indices = a->qo_tile_indices;
+  p->plan_scalars = a->plan_scalars;
+  p->page_size = a->page_size;
+  p->num_qo_heads = a->num_qo_heads;
+  p->num_kv_heads = a->num_kv_heads;
+  p->group = a->num_qo_heads / a->num_kv_heads;
+  p->window_left = a->window_left;
+  p->scale_log2 = a->sm_scale * 1.4426950408889634f;
   return PW_PREFILL_OK;
 }
 

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
+
+import numpy as np
+import torch
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
@@ -14,7 +18,7 @@ class PagedWindowError(ValueError):
 
 def checked_int(what: str, value, *, minimum: int | None = None) -> int:
     """Return ``value`` as a Python int, refusing bools, non-integers and values below ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if type(value) is not int and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
         raise PagedWindowError(f"{what} must be an integer, got {value!r} ({type(value).__name__})")
     value = int(value)
     if minimum is not None and value < minimum:
@@ -36,3 +40,57 @@ def checked_i64(what: str, value) -> int:
     if value > INT64_MAX or value < -INT64_MAX - 1:
         raise PagedWindowError(f"{what} = {value} does not fit in int64 (bound {INT64_MAX})")
     return value
+
+
+def int_array(what: str, values) -> np.ndarray:
+    """A 1-D integer numpy array (its own integer dtype) from an integer torch tensor (any device), a numpy array
+    or a sequence of ints. Refuses bools, floats, nested or ragged input and values past int64, naming ``what``
+    and the first offending index. A tensor or array may be shared, not copied: callers copy what they keep."""
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1:
+            raise PagedWindowError(f"{what} must be one-dimensional, got shape {tuple(values.shape)}")
+        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+            raise PagedWindowError(f"{what} must hold integers, got dtype {values.dtype}")
+        if values.device.type == "cpu" and not values.requires_grad:
+            return values.numpy()
+        try:
+            return values.detach().cpu().numpy()
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            raise PagedWindowError(f"{what}: cannot read a {values.device} tensor of dtype {values.dtype} "
+                                   f"({type(exc).__name__})") from None
+    if isinstance(values, np.ndarray):
+        if values.ndim != 1:
+            raise PagedWindowError(f"{what} must be one-dimensional, got shape {values.shape}")
+        if values.dtype.kind not in "iu":
+            raise PagedWindowError(f"{what} must hold integers, got dtype {values.dtype}")
+        if values.dtype == np.uint64 and len(values) and int(values.max()) > INT64_MAX:
+            raise PagedWindowError(f"{what} holds integers past int64 (bound {INT64_MAX})")
+        return values
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise PagedWindowError(f"{what} must be a sequence of integers, got {type(values).__name__}")
+    if len(values) == 0:
+        return np.zeros(0, dtype=np.int64)
+    kinds = set(map(type, values))
+    if not kinds <= {int}:  # bools, floats, nested sequences, numpy scalars...
+        for i, v in enumerate(values):
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise PagedWindowError(f"{what}[{i}] must be an integer, got {v!r} ({type(v).__name__})")
+    try:
+        return np.asarray(values, dtype=np.int64)
+    except OverflowError:
+        raise PagedWindowError(f"{what} holds integers past int64 (bound {INT64_MAX})") from None
+
+
+def checked_i32_array(what: str, values: np.ndarray, *, minimum: int | None = None) -> np.ndarray:
+    """Vectorised twin of :func:`checked_i32`: every entry of an integer array fits int32 and is >= ``minimum``.
+
+    Returns the array as int32; the error names the first offending index and value.
+    """
+    lowest = -INT32_MAX - 1 if minimum is None else minimum
+    if len(values) and (values.min() < lowest or values.max() > INT32_MAX):
+        i = int(np.flatnonzero((values < lowest) | (values > INT32_MAX))[0])
+        v = int(values[i])
+        if v < lowest:
+            raise PagedWindowError(f"{what}[{i}] = {v} is below its minimum {lowest}")
+        raise PagedWindowError(f"{what}[{i}] = {v} does not fit in int32 (bound {INT32_MAX})")
+    return values.astype(np.int32)

@@ -1,38 +1,49 @@
 """PrefillPagedPlan: the host-side plan every prefill launch and pool write is driven by.
 
-A plan is built from per-request lists (FlashInfer's vocabulary) and holds int32 arrays:
-``page_indices`` (CSR values), ``page_indptr`` [batch+1], ``last_page_len`` [batch], ``qo_indptr`` [batch+1],
-``request_indices`` and ``qo_tile_indices`` [num_tiles]. Rules (DESIGN §4): the head relation is settled before
-anything divides by ``num_kv_heads``; a request's pages cover exactly its KV; no page id repeats inside a request;
-every value reaching int32 goes through ``checked_i32``; the recorded ``max_page_index`` / ``max_last_page_len``
-are compared with the pool before every launch; ``update`` validates everything before it commits anything.
+A plan holds FlashInfer's CSR vocabulary as int32 arrays: ``page_indices`` (CSR values), ``page_indptr``
+[batch+1], ``last_page_len`` [batch], ``qo_indptr`` [batch+1], and the tile list ``request_indices`` /
+``qo_tile_indices`` [num_tiles]. Request ``i`` holds ``kv_len_i = (pages_i - 1) * page_size + last_page_len_i``
+keys, ``seq_i`` of them new, starting at ``start_i = kv_len_i - seq_i`` (bottom-right alignment).
 
-All arrays live in one int32 host buffer laid out at capacity; a device mirror of the same layout is uploaded
-once per update and keeps its address across updates (CUDA-graph replay reads it in place). The last three
-entries of the buffer are the scalars ``{batch_size, total_tokens, num_tiles}`` so kernels gridded over the
-capacity can find the live sizes on the device.
+Rules, each checked with vectorised array operations (no Python loop over pages or tokens):
+
+- the head relation is settled before anything divides by ``num_kv_heads``;
+- a request's pages cover exactly its KV (``1 <= last_page_len <= page_size``; no empty page list);
+- no page id repeats inside a request; a new row never lands in a slot another request of the plan writes or
+  reads as cached prefix (requests may share read-only prefix pages);
+- every value that reaches int32 is narrowed with a check (a value past int32 fails, never truncates);
+- ``max_page_index`` / ``max_last_page_len`` are recorded for the wrappers to compare with the pool;
+- a plan fixes its query tile when it is created (explicit, or ``tiles``' policy) and every update lays out
+  with it: a CUDA graph captured a launch with that tile. An explicit different tile at update is refused;
+- ``update`` / ``update_csr`` compute and check everything before they change anything.
+
+Device mirrors: a plan used on a GPU keeps one capacity-sized int32 buffer there whose address never changes
+(CUDA-graph replay reads it in place). Each update writes the live parts into a pinned staging buffer and
+copies them asynchronously on the current stream, in two copies (the batch-sized header with the tile list, and
+the live page ids): no host synchronisation, nothing of the page capacity beyond the live pages. Updates and
+launches of one plan belong on one stream (the copies are ordered on it). Segment order in the buffer: ``scalars``
+(``batch_size, total_tokens, num_tiles``) first, then ``page_indptr``, ``last_page_len``, ``qo_indptr``,
+``request_indices``, ``qo_tile_indices``, ``page_indices``, each at capacity.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
-from .errors import PagedWindowError, checked_i32
+from .errors import INT32_MAX, PagedWindowError, checked_i32, checked_i32_array, int_array
+from .tiles import SUPPORTED_CTA_TILE_Q, tile_for_batch, tile_for_capacity
 
-SUPPORTED_CTA_TILE_Q = (16, 64, 128)
-"""Query tiles (packed GQA rows per CTA) the head_dim-256 kernels are built for; the default rule uses 16 and 64."""
+__all__ = ["PlanArrays", "PlanCapacity", "PrefillPagedPlan", "SUPPORTED_CTA_TILE_Q", "check_head_relation"]
 
-_SEGMENTS = ("page_indices", "page_indptr", "last_page_len", "qo_indptr", "request_indices", "qo_tile_indices",
-             "scalars")
-
-
-def default_cta_tile_q(total_tokens: int, group: int) -> int:
-    """Tile rule for head_dim 256 over the whole batch: 16 packed rows when they all fit in one, else 64."""
-    return 16 if total_tokens * group <= 16 else 64
+PLAN_BUFFER_MAX_ENTRIES = 1 << 28
+"""A plan's device buffer holds at most 2**28 int32 entries (1 GiB); larger capacities are refused before
+anything is allocated (``from_dict`` is a trust boundary)."""
 
 
 def check_head_relation(num_qo_heads, num_kv_heads) -> int:
@@ -40,214 +51,451 @@ def check_head_relation(num_qo_heads, num_kv_heads) -> int:
     num_qo_heads = checked_i32("num_qo_heads", num_qo_heads, minimum=1)
     num_kv_heads = checked_i32("num_kv_heads", num_kv_heads, minimum=1)
     if num_qo_heads % num_kv_heads != 0:
-        raise PagedWindowError(
-            f"num_qo_heads = {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}"
-        )
+        raise PagedWindowError(f"num_qo_heads = {num_qo_heads} is not a multiple of num_kv_heads = {num_kv_heads}")
     return num_qo_heads // num_kv_heads
 
 
 class PlanArrays(NamedTuple):
-    """Views of a plan buffer (host or device) at capacity, in kernel-argument order."""
+    """Views of a plan buffer at capacity, in buffer order."""
 
-    page_indices: torch.Tensor  # [max_total_pages] int32
+    scalars: torch.Tensor  # [3] int32: batch_size, total_tokens, num_tiles
     page_indptr: torch.Tensor  # [max_batch + 1] int32
     last_page_len: torch.Tensor  # [max_batch] int32
     qo_indptr: torch.Tensor  # [max_batch + 1] int32
     request_indices: torch.Tensor  # [max_tiles] int32
     qo_tile_indices: torch.Tensor  # [max_tiles] int32
-    scalars: torch.Tensor  # [3] int32: batch_size, total_tokens, num_tiles
+    page_indices: torch.Tensor  # [max_total_pages] int32
 
 
 @dataclass(frozen=True)
 class PlanCapacity:
+    """The most a plan can hold; its device buffer is sized by it."""
+
     max_total_tokens: int
     max_total_pages: int
     max_batch: int
     max_tiles: int
 
     def segment_sizes(self) -> tuple[int, ...]:
+        """Entries of each :class:`PlanArrays` segment, in buffer order."""
         b = self.max_batch
-        return (self.max_total_pages, b + 1, b, b + 1, self.max_tiles, self.max_tiles, 3)
+        return (3, b + 1, b, b + 1, self.max_tiles, self.max_tiles, self.max_total_pages)
+
+    def segment_offsets(self) -> tuple[int, ...]:
+        """First entry of each :class:`PlanArrays` segment, in buffer order."""
+        return _segment_offsets(self)
+
+    @property
+    def buffer_entries(self) -> int:
+        return sum(self.segment_sizes())
+
+    @staticmethod
+    def checked(what: str, max_total_tokens, max_total_pages, max_batch, max_tiles) -> PlanCapacity:
+        """A capacity whose every bound is a positive int32 and whose buffer fits ``PLAN_BUFFER_MAX_ENTRIES``."""
+        cap = PlanCapacity(checked_i32(f"{what}max_total_tokens", max_total_tokens, minimum=1),
+                           checked_i32(f"{what}max_total_pages", max_total_pages, minimum=1),
+                           checked_i32(f"{what}max_batch", max_batch, minimum=1),
+                           checked_i32(f"{what}max_tiles", max_tiles, minimum=1))
+        if cap.buffer_entries > PLAN_BUFFER_MAX_ENTRIES:
+            raise PagedWindowError(
+                f"{what}plan capacity {cap} needs a buffer of {cap.buffer_entries} int32 entries "
+                f"({cap.buffer_entries * 4 / 2**20:.0f} MiB), past the limit {PLAN_BUFFER_MAX_ENTRIES} (1 GiB)")
+        return cap
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """Everything one plan state holds; computed and checked in full before a plan commits it."""
+@functools.lru_cache(maxsize=64)
+def _segment_offsets(cap: PlanCapacity) -> tuple[int, ...]:
+    sizes = cap.segment_sizes()
+    return tuple(sum(sizes[:i]) for i in range(len(sizes)))
 
-    pages: tuple[tuple[int, ...], ...]
-    last_page_lens: tuple[int, ...]
-    start_positions: tuple[int, ...]
-    seq_lens: tuple[int, ...]
+
+@dataclass(frozen=True, eq=False)
+class _PlanState:
+    """One validated plan: every array the kernels read plus the scalars the wrappers check."""
+
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
     page_size: int
     cta_tile_q: int
-    page_indptr: tuple[int, ...]
-    qo_indptr: tuple[int, ...]
-    request_indices: tuple[int, ...]
-    qo_tile_indices: tuple[int, ...]
+    page_indices: np.ndarray  # [total_pages] int32
+    page_indptr: np.ndarray  # [batch + 1] int32
+    last_page_len: np.ndarray  # [batch] int32
+    qo_indptr: np.ndarray  # [batch + 1] int32
+    request_indices: np.ndarray  # [num_tiles] int32
+    qo_tile_indices: np.ndarray  # [num_tiles] int32
+    start_positions: np.ndarray  # [batch] int32
     max_page_index: int
     max_last_page_len: int
-    new_slot_collision: str | None
+    batch_size: int  # plain ints (not array reads), so torch.compile sees constants
+    total_tokens: int
+    total_pages: int
+    num_tiles: int
 
-    @property
-    def batch_size(self) -> int:
-        return len(self.seq_lens)
-
-    @property
-    def total_tokens(self) -> int:
-        return self.qo_indptr[-1]
-
-    @property
-    def total_pages(self) -> int:
-        return self.page_indptr[-1]
-
-    @property
-    def num_tiles(self) -> int:
-        return len(self.request_indices)
+    def fits(self, cap: PlanCapacity) -> None:
+        for name, value, bound in (("total_tokens", self.total_tokens, cap.max_total_tokens),
+                                   ("total_pages", self.total_pages, cap.max_total_pages),
+                                   ("batch_size", self.batch_size, cap.max_batch),
+                                   ("num_tiles", self.num_tiles, cap.max_tiles)):
+            if value > bound:
+                raise PagedWindowError(f"update: {name} = {value} exceeds the plan's capacity {bound}")
 
 
-def _as_int_list(what: str, values) -> list:
-    if isinstance(values, torch.Tensor):
-        if values.dim() != 1:
-            raise PagedWindowError(f"{what} must be one-dimensional, got shape {tuple(values.shape)}")
-        return values.tolist()
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
-        raise PagedWindowError(f"{what} must be a sequence of integers, got {type(values).__name__}")
-    return list(values)
+# -- validation: CSR arrays in, a _PlanState out ----------------------------------------------------------------
+
+def _first(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
 
 
-def _record_new_slots(new_slots: dict, request: int, pages: list, start: int, kv_len: int,
-                      page_size: int) -> str | None:
-    """Record the slot ranges request ``request`` writes (positions start..kv_len-1); describe the first clash."""
-    for index in range(start // page_size, -(-kv_len // page_size)):
-        lo = max(start, index * page_size) - index * page_size
-        hi = min(kv_len, (index + 1) * page_size) - index * page_size
-        page = pages[index]
-        for other_lo, other_hi, other in new_slots.get(page, ()):
-            if lo < other_hi and other_lo < hi:
-                return f"requests {other} and {request} both write page {page} slot {max(lo, other_lo)}"
-        new_slots.setdefault(page, []).append((lo, hi, request))
-    return None
+def _check_indptr(name: str, indptr: np.ndarray, batch: int, item: str) -> np.ndarray:
+    """``indptr`` [batch+1] starts at 0 and never decreases; returns the per-request counts [batch]."""
+    if len(indptr) != batch + 1:
+        raise PagedWindowError(f"{name} has {len(indptr)} entries; last_page_len has {batch}, so it needs {batch + 1}")
+    if indptr[0] != 0:
+        raise PagedWindowError(f"{name}[0] = {int(indptr[0])} must be 0")
+    counts = indptr[1:] - indptr[:-1]  # [batch]
+    if counts.min() < 0:
+        i = _first(counts < 0)
+        raise PagedWindowError(f"{name} decreases at request {i}: {name}[{i}] = {int(indptr[i])} > "
+                               f"{name}[{i + 1}] = {int(indptr[i + 1])} (negative {item})")
+    checked_i32(f"{name}[-1]", int(indptr[-1]))
+    return counts
 
 
-def _compute_layout(page_indices, last_page_lens, start_positions, seq_lens, *, num_qo_heads, num_kv_heads,
-                    head_dim, page_size, cta_tile_q) -> _Layout:
-    group = check_head_relation(num_qo_heads, num_kv_heads)
-    num_qo_heads, num_kv_heads = int(num_qo_heads), int(num_kv_heads)
-    head_dim = checked_i32("head_dim", head_dim, minimum=1)
-    page_size = checked_i32("page_size", page_size, minimum=1)
+def _check_shared_pages(pages: np.ndarray, top: int, page_indptr: np.ndarray, start: np.ndarray,
+                        kv_len: np.ndarray, page_size: int, page_name) -> None:
+    """No page id twice in one request; across requests, no new row in a slot another request writes or reads
+    as cached prefix. Only entries whose page id appears more than once are examined."""
+    total = len(pages)
+    if total < 2:
+        return
+    if top < max(4 * total, 1 << 20):
+        seen = np.bincount(pages)  # [top + 1] uses of each page id
+        if seen.max() < 2:
+            return  # every page id is used once: nothing is shared
+        shared = seen[pages] > 1  # [total]
+    else:  # sparse ids: a sort instead of a counting table
+        order = np.argsort(pages, kind="stable")
+        equal = pages[order[1:]] == pages[order[:-1]]
+        shared = np.zeros(total, dtype=bool)
+        shared[order[1:][equal]] = True
+        shared[order[:-1][equal]] = True
+    if not shared.any():
+        return
+    entry = np.flatnonzero(shared)  # [n] entries on pages used more than once
+    request = np.searchsorted(page_indptr, entry, side="right") - 1  # [n]
+    page = pages[entry]  # [n]
+    order = np.lexsort((request, page))
+    entry, request, page = entry[order], request[order], page[order]
+    same_page = page[1:] == page[:-1]
+    repeat = same_page & (request[1:] == request[:-1])
+    if repeat.any():
+        j = _first(repeat)
+        r = int(request[j])
+        raise PagedWindowError(f"page id {int(page[j])} appears more than once in request {r}'s pages "
+                               f"({page_name(int(entry[j]), page_indptr)} and "
+                               f"{page_name(int(entry[j + 1]), page_indptr)})")
+    base = (entry - page_indptr[request]) * page_size  # [n] KV position of each entry's slot 0
+    first_new = np.clip(start[request] - base, 0, page_size)  # [n] slots [0, first_new) are cached prefix
+    end_new = np.clip(kv_len[request] - base, 0, page_size)  # [n] slots [first_new, end_new) are new rows
+    writes = first_new < end_new
+    # write vs cached read: a write starting below the largest cached extent of its page hits someone's prefix
+    # (a request's own cached slots end where its writes begin, so including it is harmless).
+    groups = np.flatnonzero(np.concatenate(([True], ~same_page)))  # [distinct shared pages] first entry of each
+    cached_top = np.maximum.reduceat(first_new, groups)  # [distinct shared pages]
+    group_of = np.cumsum(np.concatenate(([0], ~same_page)))  # [n] group of each entry
+    hit = writes & (first_new < cached_top[group_of])
+    if hit.any():
+        j = _first(hit)
+        reader = _first((page == page[j]) & (first_new > first_new[j]))
+        raise PagedWindowError(
+            f"request {int(request[j])} writes new rows into page {int(page[j])} slot {int(first_new[j])}, which "
+            f"request {int(request[reader])} reads as cached prefix (slots 0..{int(first_new[reader]) - 1})")
+    # write vs write: sorted by (page, first slot), any overlap shows between neighbours
+    w = np.flatnonzero(writes)
+    if len(w) > 1:
+        w = w[np.lexsort((first_new[w], page[w]))]
+        clash = (page[w[1:]] == page[w[:-1]]) & (first_new[w[1:]] < end_new[w[:-1]])
+        if clash.any():
+            j = _first(clash)
+            a, b = w[j], w[j + 1]
+            raise PagedWindowError(f"requests {int(request[a])} and {int(request[b])} both write page "
+                                   f"{int(page[a])} slot {int(first_new[b])}")
 
-    pages_in = _as_int_list("page_indices", page_indices)
-    lasts = _as_int_list("last_page_lens", last_page_lens)
-    starts = _as_int_list("start_positions", start_positions)
-    seqs = _as_int_list("seq_lens", seq_lens)
-    batch = len(seqs)
+
+def _tiles(seq: np.ndarray, group: int, tile: int) -> tuple[np.ndarray, np.ndarray]:
+    """``request_indices`` and ``qo_tile_indices`` [num_tiles]: request i gets ceil(seq_i * group / tile)."""
+    per_request = -(-(seq * group) // tile)  # [batch]
+    if per_request.max() <= 1 and per_request.min() == 1:  # one tile per request (decode, short prompts)
+        return np.arange(len(seq), dtype=np.int32), np.zeros(len(seq), dtype=np.int32)
+    num_tiles = checked_i32("num_tiles", int(per_request.sum()))
+    request_indices = np.repeat(np.arange(len(seq), dtype=np.int32), per_request)  # [num_tiles]
+    first = np.cumsum(per_request) - per_request  # [batch] first tile of each request
+    qo_tile_indices = (np.arange(num_tiles) - np.repeat(first, per_request)).astype(np.int32)  # [num_tiles]
+    return request_indices, qo_tile_indices
+
+
+def _check_tile(cta_tile_q) -> int:
+    tile = checked_i32("cta_tile_q", cta_tile_q)
+    if tile not in SUPPORTED_CTA_TILE_Q:
+        raise PagedWindowError(f"cta_tile_q = {tile} is not a supported tile {SUPPORTED_CTA_TILE_Q}")
+    return tile
+
+
+@dataclass(frozen=True)
+class _Heads:
+    num_qo_heads: int
+    num_kv_heads: int
+    group: int
+    head_dim: int
+    page_size: int
+
+    @staticmethod
+    def checked(num_qo_heads, num_kv_heads, head_dim, page_size) -> _Heads:
+        group = check_head_relation(num_qo_heads, num_kv_heads)  # first: nothing has divided yet
+        return _Heads(int(num_qo_heads), int(num_kv_heads), group, checked_i32("head_dim", head_dim, minimum=1),
+                      checked_i32("page_size", page_size, minimum=1))
+
+
+def _csr_page_name(flat: int, kv_indptr: np.ndarray) -> str:
+    return f"kv_indices[{flat}]"
+
+
+def _request_page_name(flat: int, kv_indptr: np.ndarray) -> str:
+    r = int(np.searchsorted(kv_indptr, flat, side="right")) - 1
+    return f"page_indices[{r}][{flat - int(kv_indptr[r])}]"
+
+
+def _state_from_csr(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np.ndarray,
+                    last_page_len: np.ndarray, heads: _Heads, tile: int | None, device,
+                    page_name=_csr_page_name) -> tuple[_PlanState, str]:
+    """Validate CSR arrays (any integer dtype) and derive the plan; ``tile`` None asks the policy. Returns
+    (state, tile reason). ``page_name(flat index, kv_indptr)`` names a page id in error messages."""
+    batch = len(last_page_len)
+    if batch == 0:
+        raise PagedWindowError("a plan needs at least one request; last_page_len is empty")
+    checked_i32("batch_size", batch)
+    qo_indptr = qo_indptr.astype(np.int64, copy=False)
+    kv_indptr = kv_indptr.astype(np.int64, copy=False)
+    last_page_len = last_page_len.astype(np.int64, copy=False)
+    seq = _check_indptr("qo_indptr", qo_indptr, batch, "seq_len")  # [batch]
+    num_pages = _check_indptr("kv_indptr", kv_indptr, batch, "page count")  # [batch]
+    if num_pages.min() < 1:
+        i = _first(num_pages < 1)
+        raise PagedWindowError(f"request {i} has no pages (kv_indptr[{i}] = kv_indptr[{i + 1}] = "
+                               f"{int(kv_indptr[i])}); every request needs at least one page")
+    total_pages = int(kv_indptr[-1])
+    if total_pages > len(kv_indices):
+        raise PagedWindowError(f"kv_indptr[-1] = {total_pages} but kv_indices has only {len(kv_indices)} entries")
+    pages = kv_indices[:total_pages]  # [total_pages] the caller's dtype
+    low, high = int(pages.min()), int(pages.max())
+    if low < 0 or high > INT32_MAX:
+        flat = _first((pages < 0) | (pages > INT32_MAX))
+        value = int(pages[flat])
+        bound = "is below its minimum 0" if value < 0 else f"does not fit in int32 (bound {INT32_MAX})"
+        raise PagedWindowError(f"page id {page_name(flat, kv_indptr)} = {value} {bound}")
+    page_ids = pages.astype(np.int32)  # [total_pages] the plan's own copy
+    page_size = heads.page_size
+    if last_page_len.min() < 1 or last_page_len.max() > page_size:
+        i = _first((last_page_len < 1) | (last_page_len > page_size))
+        raise PagedWindowError(f"last_page_len[{i}] = {int(last_page_len[i])} is outside 1..{page_size} "
+                               f"(page_size {page_size})")
+    kv_len = (num_pages - 1) * page_size + last_page_len  # [batch] int64
+    if kv_len.max() > INT32_MAX:
+        i = _first(kv_len > INT32_MAX)
+        raise PagedWindowError(f"kv_len of request {i} = {int(kv_len[i])} does not fit in int32 (bound {INT32_MAX})")
+    start = kv_len - seq  # [batch]
+    if start.min() < 0:
+        i = _first(start < 0)
+        raise PagedWindowError(f"request {i} has seq_len {int(seq[i])} new rows but only kv_len {int(kv_len[i])} "
+                               f"keys (seq_len must be <= kv_len)")
+    total_tokens = int(qo_indptr[-1])
+    checked_i32("packed rows (total_tokens * group)", total_tokens * heads.group)
+    _check_shared_pages(page_ids, high, kv_indptr, start, kv_len, page_size, page_name)
+    reason = "explicit"
+    if tile is None:
+        tile, reason = tile_for_batch(seq, heads.group, heads.num_kv_heads, device)
+    request_indices, qo_tile_indices = _tiles(seq, heads.group, tile)
+    state = _PlanState(
+        num_qo_heads=heads.num_qo_heads, num_kv_heads=heads.num_kv_heads, head_dim=heads.head_dim,
+        page_size=page_size, cta_tile_q=tile, page_indices=page_ids, page_indptr=kv_indptr.astype(np.int32),
+        last_page_len=last_page_len.astype(np.int32), qo_indptr=qo_indptr.astype(np.int32),
+        request_indices=request_indices, qo_tile_indices=qo_tile_indices, start_positions=start.astype(np.int32),
+        max_page_index=high, max_last_page_len=int(last_page_len.max()), batch_size=batch,
+        total_tokens=total_tokens, total_pages=total_pages, num_tiles=len(request_indices),
+    )
+    for array in (state.page_indices, state.page_indptr, state.last_page_len, state.qo_indptr,
+                  state.request_indices, state.qo_tile_indices, state.start_positions):
+        array.flags.writeable = False
+    return state, reason
+
+
+def _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, page_size: int):
+    """Per-request lists (the ``batch`` form) to CSR arrays, with the coverage rule checked per request."""
+    seq = checked_i32_array("seq_lens", int_array("seq_lens", seq_lens), minimum=0).astype(np.int64)
+    batch = len(seq)
     if batch == 0:
         raise PagedWindowError("a plan needs at least one request; seq_lens is empty")
-    for name, values in (("page_indices", pages_in), ("last_page_lens", lasts), ("start_positions", starts)):
-        if len(values) != batch:
-            raise PagedWindowError(f"{name} has {len(values)} entries but seq_lens has {batch} (one per request)")
-    checked_i32("batch_size", batch)
+    if isinstance(page_indices, (str, bytes)) or not isinstance(page_indices, (Sequence, np.ndarray)):
+        raise PagedWindowError(f"page_indices must be a sequence of per-request page lists, got "
+                               f"{type(page_indices).__name__}")
+    starts = int_array("start_positions", start_positions)
+    lasts = int_array("last_page_lens", last_page_lens)
+    for name, n in (("page_indices", len(page_indices)), ("last_page_lens", len(lasts)),
+                    ("start_positions", len(starts))):
+        if n != batch:
+            raise PagedWindowError(f"{name} has {n} entries but seq_lens has {batch} (one per request)")
+    start = checked_i32_array("start_positions", starts, minimum=0)
+    last = checked_i32_array("last_page_lens", lasts).astype(np.int64)
+    per_request = [int_array(f"page_indices[{i}]", p).astype(np.int64, copy=False)  # a loop over requests
+                   for i, p in enumerate(page_indices)]
+    counts = np.fromiter((len(p) for p in per_request), dtype=np.int64, count=batch)  # [batch]
+    kv_len = start.astype(np.int64) + seq  # [batch]
+    if kv_len.max() > INT32_MAX:
+        i = _first(kv_len > INT32_MAX)
+        raise PagedWindowError(f"kv_len of request {i} (start {int(start[i])} + seq {int(seq[i])}) = "
+                               f"{int(kv_len[i])} does not fit in int32 (bound {INT32_MAX})")
+    if counts.min() == 0:
+        i = _first(counts == 0)
+        raise PagedWindowError(f"page_indices[{i}] is empty; every request needs at least one page")
+    if kv_len.min() == 0:
+        i = _first(kv_len == 0)
+        raise PagedWindowError(f"request {i} has kv_len 0 (start 0 + seq 0) but {int(counts[i])} pages")
+    need = -(-kv_len // page_size)  # [batch]
+    if (counts != need).any():
+        i = _first(counts != need)
+        raise PagedWindowError(f"request {i}: {int(counts[i])} pages do not cover kv_len {int(kv_len[i])} at "
+                               f"page_size {page_size} (needs exactly {int(need[i])})")
+    want_last = kv_len - (need - 1) * page_size  # [batch]
+    if (last != want_last).any():
+        i = _first(last != want_last)
+        raise PagedWindowError(f"last_page_lens[{i}] = {int(last[i])} disagrees with kv_len {int(kv_len[i])}: the "
+                               f"last page holds {int(want_last[i])} (bound 1..{page_size})")
+    kv_indices = np.concatenate(per_request) if batch > 1 else per_request[0]  # [total_pages]
+    kv_indptr = np.concatenate(([0], np.cumsum(counts)))  # [batch + 1]
+    qo_indptr = np.concatenate(([0], np.cumsum(seq)))  # [batch + 1]
+    return qo_indptr, kv_indptr, kv_indices, last
 
-    pages: list[tuple[int, ...]] = []
-    page_indptr, qo_indptr = [0], [0]
-    max_page_index, max_last = -1, 0
-    new_slots: dict[int, list[tuple[int, int, int]]] = {}  # page id -> [(first slot, end slot, request)]
-    collision = None
-    for i in range(batch):
-        seq = checked_i32(f"seq_lens[{i}]", seqs[i], minimum=0)
-        start = checked_i32(f"start_positions[{i}]", starts[i], minimum=0)
-        kv_len = checked_i32(f"kv_len of request {i} (start {start} + seq {seq})", start + seq)
-        req_pages = [checked_i32(f"page_indices[{i}][{j}]", p, minimum=0)
-                     for j, p in enumerate(_as_int_list(f"page_indices[{i}]", pages_in[i]))]
-        if not req_pages:
-            raise PagedWindowError(f"page_indices[{i}] is empty; every request needs at least one page")
-        if kv_len == 0:
-            raise PagedWindowError(f"request {i} has kv_len 0 (start 0 + seq 0) but {len(req_pages)} pages")
-        need = -(-kv_len // page_size)
-        if len(req_pages) != need:
-            raise PagedWindowError(
-                f"request {i}: {len(req_pages)} pages do not cover kv_len {kv_len} at page_size {page_size} "
-                f"(needs exactly {need})"
-            )
-        last = checked_i32(f"last_page_lens[{i}]", lasts[i])
-        want_last = kv_len - (need - 1) * page_size
-        if last != want_last:
-            raise PagedWindowError(
-                f"last_page_lens[{i}] = {last} disagrees with kv_len {kv_len}: the last page holds {want_last} "
-                f"(bound 1..{page_size})"
-            )
-        if len(set(req_pages)) != len(req_pages):
-            dup = next(p for p in req_pages if req_pages.count(p) > 1)
-            raise PagedWindowError(f"page id {dup} appears more than once in page_indices[{i}]")
-        if collision is None:
-            collision = _record_new_slots(new_slots, i, req_pages, start, kv_len, page_size)
-        pages.append(tuple(req_pages))
-        page_indptr.append(checked_i32("page_indptr entry", page_indptr[-1] + need))
-        qo_indptr.append(checked_i32("qo_indptr entry (total_tokens)", qo_indptr[-1] + seq))
-        max_page_index = max(max_page_index, max(req_pages))
-        max_last = max(max_last, last)
 
-    total_tokens = qo_indptr[-1]
-    checked_i32("packed rows (total_tokens * group)", total_tokens * group)
-    if cta_tile_q is None:
-        cta_tile_q = default_cta_tile_q(total_tokens, group)
-    else:
-        cta_tile_q = checked_i32("cta_tile_q", cta_tile_q)
-        if cta_tile_q not in SUPPORTED_CTA_TILE_Q:
-            raise PagedWindowError(f"cta_tile_q = {cta_tile_q} is not a supported tile {SUPPORTED_CTA_TILE_Q}")
-    request_indices, qo_tile_indices = [], []
-    for i, seq in enumerate(qo_indptr[1 + k] - qo_indptr[k] for k in range(batch)):
-        n = -(-(seq * group) // cta_tile_q)
-        request_indices.extend([i] * n)
-        qo_tile_indices.extend(range(n))
-    checked_i32("num_tiles", len(request_indices))
+# -- device mirrors ---------------------------------------------------------------------------------------------
 
-    return _Layout(
-        pages=tuple(pages), last_page_lens=tuple(int(x) for x in lasts), start_positions=tuple(int(x) for x in starts),
-        seq_lens=tuple(int(x) for x in seqs), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-        head_dim=head_dim, page_size=page_size, cta_tile_q=cta_tile_q, page_indptr=tuple(page_indptr),
-        qo_indptr=tuple(qo_indptr), request_indices=tuple(request_indices), qo_tile_indices=tuple(qo_tile_indices),
-        max_page_index=max_page_index, max_last_page_len=max_last, new_slot_collision=collision,
-    )
+class _DeviceMirror:
+    """A plan's capacity-sized buffer on one GPU, its pinned staging twin, and the event of the last upload."""
+
+    __slots__ = ("buffer", "staging", "events", "turn")
+
+    STAGING_BUFFERS = 2
+    """Pinned staging buffers used in turn: an update waits only for the upload two updates back, so the host
+    may run a step ahead of the GPU without waiting."""
+
+    def __init__(self, entries: int, device: torch.device):
+        # Never reallocated. Only live entries are ever read by the kernels, so neither buffer is zeroed.
+        self.buffer = torch.empty(entries, dtype=torch.int32, device=device)  # [entries]
+        self.staging: list[torch.Tensor | None] = [None] * self.STAGING_BUFFERS  # pinned, made on first use
+        self.events = [torch.cuda.Event() for _ in range(self.STAGING_BUFFERS)]
+        self.turn = 0
+
+    def upload(self, state: _PlanState, cap: PlanCapacity) -> None:
+        """Copy ``state`` asynchronously on the device's current stream, in two copies: the batch-sized header
+        and the tile list (``[0, end of the live qo_tile_indices)``, O(max_batch + max_tiles) entries) and the
+        live page ids."""
+        turn = self.turn
+        self.turn = (turn + 1) % self.STAGING_BUFFERS
+        staging, event = self.staging[turn], self.events[turn]
+        if staging is None:
+            staging = self.staging[turn] = torch.empty(len(self.buffer), dtype=torch.int32,
+                                                       pin_memory=True)  # [entries] host
+        else:
+            event.synchronize()  # the upload that last used this staging buffer has run (normally long ago)
+        o_scalars, o_pindptr, o_last, o_qo, o_req, o_qtile, o_pages = cap.segment_offsets()
+        staged, b, t, p = staging.numpy(), state.batch_size, state.num_tiles, state.total_pages
+        staged[o_scalars: o_scalars + 3] = (b, state.total_tokens, t)
+        staged[o_pindptr: o_pindptr + b + 1] = state.page_indptr
+        staged[o_last: o_last + b] = state.last_page_len
+        staged[o_qo: o_qo + b + 1] = state.qo_indptr
+        staged[o_req: o_req + t] = state.request_indices
+        staged[o_qtile: o_qtile + t] = state.qo_tile_indices
+        staged[o_pages: o_pages + p] = state.page_indices
+        head = o_qtile + t
+        device = self.buffer.device
+        if device.index == torch.cuda.current_device():
+            self._copy(staging, head, o_pages, p, event)
+        else:
+            with torch.cuda.device(device):
+                self._copy(staging, head, o_pages, p, event)
+
+    def _copy(self, staging: torch.Tensor, head: int, o_pages: int, p: int, event) -> None:
+        self.buffer[:head].copy_(staging[:head], non_blocking=True)
+        self.buffer[o_pages: o_pages + p].copy_(staging[o_pages: o_pages + p], non_blocking=True)
+        event.record()
+
+
+def _cuda_device(device) -> torch.device | None:
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    return torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+
+
+def _device_of(*values) -> torch.device | None:
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.device.type == "cuda":
+            return v.device
+    return None
 
 
 class PrefillPagedPlan:
     """Host plan for a batch of paged prefill (or decode) requests; see the module docstring for the rules.
 
-    Build with :meth:`batch` / :meth:`single`, or :meth:`preallocated` then :meth:`update`. Host arrays are
-    exposed trimmed to their live sizes (``plan.page_indices`` ...); :meth:`device_arrays` gives the
-    capacity-sized device mirror kernels read.
+    Build with :meth:`from_csr` (FlashInfer's CSR arrays), :meth:`batch` / :meth:`single` (per-request lists), or
+    :meth:`preallocated` then :meth:`update_csr` / :meth:`update`. Array properties return copies; the device
+    buffer the kernels read (:meth:`device_buffer`) is only ever filled from validated state.
     """
 
-    def __init__(self, capacity: PlanCapacity, device=None):
+    def __init__(self, capacity: PlanCapacity, *, cta_tile_q: int | None, tile_reason: str = "explicit",
+                 device=None):
+        """Internal: use the constructors below. ``cta_tile_q`` None fixes the tile at the first commit."""
         self.capacity = capacity
-        sizes = capacity.segment_sizes()
-        total = checked_i32("plan buffer length", sum(sizes))
-        self._host = torch.zeros(total, dtype=torch.int32)
-        self._layout: _Layout | None = None
+        self._tile = cta_tile_q
+        self._tile_reason = tile_reason
+        self._device = None if device is None else torch.device(device)
+        self._state: _PlanState | None = None
         self._version = 0
-        self._mirrors: dict[torch.device, tuple[torch.Tensor, int]] = {}
-        if device is not None:
-            self._mirror(torch.device(device))
+        self._mirrors: dict[torch.device, _DeviceMirror] = {}
+        self._derived: dict = {}  # host-side views computed on demand; cleared at every commit
+        self.launch_cache: dict = {}
+        """Backends keep per-plan launch arguments here; emptied at every commit."""
+        cuda_device = _cuda_device(self._device)
+        if cuda_device is not None:
+            self._mirror(cuda_device)
 
     # -- constructors -------------------------------------------------------------------------------------------
     @classmethod
+    def from_csr(cls, qo_indptr, kv_indptr, kv_indices, last_page_len, *, num_qo_heads, num_kv_heads, head_dim,
+                 page_size, cta_tile_q=None, device=None) -> PrefillPagedPlan:
+        """A plan sized exactly for FlashInfer-style CSR arrays (int32/int64 tensors on any device, numpy arrays
+        or lists): ``qo_indptr [batch+1]``, ``kv_indptr [batch+1]``, ``kv_indices [>= kv_indptr[-1]]`` (page ids),
+        ``last_page_len [batch]``. ``device`` (default: the device of any CUDA input) is the GPU the plan is for:
+        it decides the default tile and receives the plan's buffer now."""
+        device = device if device is not None else _device_of(qo_indptr, kv_indptr, kv_indices, last_page_len)
+        heads = _Heads.checked(num_qo_heads, num_kv_heads, head_dim, page_size)
+        tile = None if cta_tile_q is None else _check_tile(cta_tile_q)
+        arrays = _csr_arrays(qo_indptr, kv_indptr, kv_indices, last_page_len)
+        state, reason = _state_from_csr(*arrays, heads, tile, device)
+        return cls._exact(state, reason, device)
+
+    @classmethod
     def batch(cls, page_indices, last_page_lens, start_positions, seq_lens, *, num_qo_heads, num_kv_heads,
               head_dim, page_size, cta_tile_q=None, device=None) -> PrefillPagedPlan:
-        """A plan sized exactly for these requests. ``page_indices[i]`` covers ``start_i + seq_i`` keys."""
-        layout = _compute_layout(page_indices, last_page_lens, start_positions, seq_lens, num_qo_heads=num_qo_heads,
-                                 num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-                                 cta_tile_q=cta_tile_q)
-        capacity = PlanCapacity(max(layout.total_tokens, 1), layout.total_pages, layout.batch_size,
-                                max(layout.num_tiles, 1))
-        plan = cls(capacity)
-        plan._commit(layout)
-        if device is not None:
-            plan._mirror(torch.device(device))
-        return plan
+        """A plan sized exactly for these requests: ``page_indices[i]`` (a list, array or tensor) covers exactly
+        ``start_positions[i] + seq_lens[i]`` keys and ``last_page_lens[i]`` is its last page's fill."""
+        heads = _Heads.checked(num_qo_heads, num_kv_heads, head_dim, page_size)
+        tile = None if cta_tile_q is None else _check_tile(cta_tile_q)
+        arrays = _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, heads.page_size)
+        state, reason = _state_from_csr(*arrays, heads, tile, device, page_name=_request_page_name)
+        return cls._exact(state, reason, device)
 
     @classmethod
     def single(cls, pages, last_page_len, start_position, seq_len, **kwargs) -> PrefillPagedPlan:
@@ -255,210 +503,300 @@ class PrefillPagedPlan:
         return cls.batch([pages], [last_page_len], [start_position], [seq_len], **kwargs)
 
     @classmethod
-    def preallocated(cls, *, max_total_tokens, max_total_pages, max_batch, max_tiles, device=None):
-        """An empty plan with fixed capacity; fill it with :meth:`update`. Device arrays never move."""
-        capacity = PlanCapacity(
-            checked_i32("max_total_tokens", max_total_tokens, minimum=1),
-            checked_i32("max_total_pages", max_total_pages, minimum=1),
-            checked_i32("max_batch", max_batch, minimum=1),
-            checked_i32("max_tiles", max_tiles, minimum=1),
-        )
-        return cls(capacity, device=device)
+    def _exact(cls, state: _PlanState, reason: str, device) -> PrefillPagedPlan:
+        capacity = PlanCapacity.checked("", max(state.total_tokens, 1), state.total_pages, state.batch_size,
+                                        max(state.num_tiles, 1))
+        plan = cls(capacity, cta_tile_q=state.cta_tile_q, tile_reason=reason)
+        plan._device = None if device is None else torch.device(device)
+        plan._commit(state)
+        cuda_device = _cuda_device(plan._device)
+        if cuda_device is not None:
+            plan._mirror(cuda_device)
+        return plan
+
+    @classmethod
+    def preallocated(cls, *, max_total_tokens, max_total_pages, max_batch, max_tiles, cta_tile_q=None,
+                     device=None) -> PrefillPagedPlan:
+        """An empty plan with fixed capacity and a fixed tile (``cta_tile_q``, else the policy's pick for this
+        capacity on ``device``); fill it with :meth:`update_csr` or :meth:`update`. Device arrays never move."""
+        capacity = PlanCapacity.checked("", max_total_tokens, max_total_pages, max_batch, max_tiles)
+        if cta_tile_q is None:
+            tile, reason = tile_for_capacity(capacity.max_total_tokens, capacity.max_batch, device)
+        else:
+            tile, reason = _check_tile(cta_tile_q), "explicit"
+        return cls(capacity, cta_tile_q=tile, tile_reason=reason, device=device)
+
+    def update_csr(self, qo_indptr, kv_indptr, kv_indices, last_page_len, *, num_qo_heads, num_kv_heads, head_dim,
+                   page_size, cta_tile_q=None) -> PrefillPagedPlan:
+        """Re-plan in place from CSR arrays (as :meth:`from_csr`): validate everything, capacity included, then
+        commit. On error nothing changes. The layout uses the plan's fixed tile."""
+        heads = _Heads.checked(num_qo_heads, num_kv_heads, head_dim, page_size)
+        tile = self._update_tile(cta_tile_q)
+        arrays = _csr_arrays(qo_indptr, kv_indptr, kv_indices, last_page_len)
+        state, _ = _state_from_csr(*arrays, heads, tile, self._device)
+        state.fits(self.capacity)
+        self._commit(state)
+        return self
 
     def update(self, page_indices, last_page_lens, start_positions, seq_lens, *, num_qo_heads, num_kv_heads,
                head_dim, page_size, cta_tile_q=None) -> PrefillPagedPlan:
-        """Re-plan in place: validate everything (capacity included), then commit. On error nothing changes."""
-        layout = _compute_layout(page_indices, last_page_lens, start_positions, seq_lens, num_qo_heads=num_qo_heads,
-                                 num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=page_size,
-                                 cta_tile_q=cta_tile_q)
-        cap = self.capacity
-        for name, value, bound in (("total_tokens", layout.total_tokens, cap.max_total_tokens),
-                                   ("total_pages", layout.total_pages, cap.max_total_pages),
-                                   ("batch_size", layout.batch_size, cap.max_batch),
-                                   ("num_tiles", layout.num_tiles, cap.max_tiles)):
-            if value > bound:
-                raise PagedWindowError(f"update: {name} = {value} exceeds the plan's capacity {bound}")
-        self._commit(layout)
+        """Re-plan in place from per-request lists (as :meth:`batch`); validate, then commit."""
+        heads = _Heads.checked(num_qo_heads, num_kv_heads, head_dim, page_size)
+        tile = self._update_tile(cta_tile_q)
+        arrays = _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, heads.page_size)
+        state, _ = _state_from_csr(*arrays, heads, tile, self._device, page_name=_request_page_name)
+        state.fits(self.capacity)
+        self._commit(state)
         return self
 
+    def _update_tile(self, cta_tile_q) -> int:
+        if cta_tile_q is None:
+            return self._tile
+        tile = _check_tile(cta_tile_q)
+        if tile != self._tile:
+            raise PagedWindowError(
+                f"update: cta_tile_q = {tile} differs from the plan's fixed tile {self._tile} (a captured launch "
+                f"uses that tile); build a new plan for another tile")
+        return tile
+
     # -- state --------------------------------------------------------------------------------------------------
-    def _commit(self, layout: _Layout) -> None:
-        host = torch.zeros_like(self._host)
-        views = self._views(host)
-        flat_pages = [p for req in layout.pages for p in req]
-        for view, values in ((views.page_indices, flat_pages), (views.page_indptr, layout.page_indptr),
-                             (views.last_page_len, layout.last_page_lens), (views.qo_indptr, layout.qo_indptr),
-                             (views.request_indices, layout.request_indices),
-                             (views.qo_tile_indices, layout.qo_tile_indices),
-                             (views.scalars, (layout.batch_size, layout.total_tokens, layout.num_tiles))):
-            if values:
-                view[: len(values)] = torch.tensor(values, dtype=torch.int32)
-        self._host.copy_(host)
-        self._layout = layout
+    def _commit(self, state: _PlanState) -> None:
+        """Install validated state; upload it to every device mirror (async, current stream)."""
+        self._state = state
         self._version += 1
-        for device, (buffer, _) in list(self._mirrors.items()):
-            buffer.copy_(self._host)  # in place: the device address never changes
-            self._mirrors[device] = (buffer, self._version)
+        self._derived = {}
+        self.launch_cache = {}
+        for mirror in self._mirrors.values():
+            mirror.upload(state, self.capacity)
 
-    def _views(self, buffer: torch.Tensor) -> PlanArrays:
-        return PlanArrays(*torch.split(buffer, list(self.capacity.segment_sizes())))
-
-    def _mirror(self, device: torch.device) -> torch.Tensor:
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        entry = self._mirrors.get(device)
-        if entry is None:
-            buffer = self._host.to(device)
-            self._mirrors[device] = (buffer, self._version)
-            return buffer
-        buffer, version = entry
-        if version != self._version:
-            buffer.copy_(self._host)
-            self._mirrors[device] = (buffer, self._version)
-        return buffer
+    def _mirror(self, device: torch.device) -> _DeviceMirror:
+        mirror = self._mirrors.get(device)
+        if mirror is None:
+            mirror = _DeviceMirror(self.capacity.buffer_entries, device)
+            if self._state is not None:
+                mirror.upload(self._state, self.capacity)
+            self._mirrors[device] = mirror
+        return mirror
 
     def device_buffer(self, device) -> torch.Tensor:
-        """The whole int32 plan buffer on ``device`` (uploaded on first use and once per update; its address
-        never changes). Segments, at capacity, follow ``capacity.segment_sizes()`` in :class:`PlanArrays` order."""
+        """The whole int32 plan buffer on ``device`` at capacity (segments at ``capacity.segment_offsets()`` in
+        :class:`PlanArrays` order). On a GPU: uploaded on first use and at every update, at a fixed address. On
+        the CPU: a fresh copy."""
+        mirror = self._mirrors.get(device)  # the launch path: a tensor's device, already indexed
+        if mirror is not None:
+            return mirror.buffer
         device = torch.device(device)
-        return self._host if device.type == "cpu" else self._mirror(device)
+        if device.type == "cuda":
+            return self._mirror(_cuda_device(device)).buffer
+        buffer = torch.zeros(self.capacity.buffer_entries, dtype=torch.int32)
+        if self._state is not None:
+            s, views = self._state, self._views(buffer)
+            views.scalars[:] = torch.tensor([s.batch_size, s.total_tokens, s.num_tiles], dtype=torch.int32)
+            for name in ("page_indptr", "last_page_len", "qo_indptr", "request_indices", "qo_tile_indices",
+                         "page_indices"):
+                values = getattr(s, name)
+                getattr(views, name)[: len(values)] = torch.from_numpy(values.copy())
+        return buffer
 
     def device_arrays(self, device) -> PlanArrays:
         """Capacity-sized views of :meth:`device_buffer`."""
         return self._views(self.device_buffer(device))
 
+    def _views(self, buffer: torch.Tensor) -> PlanArrays:
+        return PlanArrays(*torch.split(buffer, list(self.capacity.segment_sizes())))
+
+    @property
+    def state(self) -> _PlanState:
+        """The validated state of the last commit (frozen; its arrays are read-only). Raises if unfilled."""
+        return self._require()
+
     @property
     def filled(self) -> bool:
         """False for a preallocated plan that was never updated."""
-        return self._layout is not None
+        return self._state is not None
 
-    def _require(self) -> _Layout:
-        if self._layout is None:
+    @property
+    def version(self) -> int:
+        """Increments at every commit (caches keyed on a plan compare it)."""
+        return self._version
+
+    @property
+    def device(self) -> torch.device | None:
+        """The device the plan was made for (decides the default tile); None when it was not given."""
+        return self._device
+
+    def _require(self) -> _PlanState:
+        if self._state is None:
             raise PagedWindowError("the plan was preallocated but never filled: call plan.update(...) first")
-        return self._layout
+        return self._state
 
-    # -- fields (DESIGN §4 names) -------------------------------------------------------------------------------
-    def _live(self, name: str, length: int) -> torch.Tensor:
-        self._require()
-        return getattr(self._views(self._host), name)[:length]
+    # -- fields -------------------------------------------------------------------------------------------------
+    def _copy(self, name: str) -> torch.Tensor:
+        return torch.from_numpy(getattr(self._require(), name).copy())
 
-    @property
-    def page_indices(self) -> torch.Tensor:
-        return self._live("page_indices", self._require().total_pages)
-
-    @property
-    def page_indptr(self) -> torch.Tensor:
-        return self._live("page_indptr", self._require().batch_size + 1)
-
-    @property
-    def last_page_len(self) -> torch.Tensor:
-        return self._live("last_page_len", self._require().batch_size)
-
-    @property
-    def qo_indptr(self) -> torch.Tensor:
-        return self._live("qo_indptr", self._require().batch_size + 1)
-
-    @property
-    def request_indices(self) -> torch.Tensor:
-        return self._live("request_indices", self._require().num_tiles)
-
-    @property
-    def qo_tile_indices(self) -> torch.Tensor:
-        return self._live("qo_tile_indices", self._require().num_tiles)
+    page_indices = property(lambda self: self._copy("page_indices"), doc="[total_pages] int32 (a copy)")
+    page_indptr = property(lambda self: self._copy("page_indptr"), doc="[batch + 1] int32 (a copy)")
+    last_page_len = property(lambda self: self._copy("last_page_len"), doc="[batch] int32 (a copy)")
+    qo_indptr = property(lambda self: self._copy("qo_indptr"), doc="[batch + 1] int32 (a copy)")
+    request_indices = property(lambda self: self._copy("request_indices"), doc="[num_tiles] int32 (a copy)")
+    qo_tile_indices = property(lambda self: self._copy("qo_tile_indices"), doc="[num_tiles] int32 (a copy)")
 
     batch_size = property(lambda self: self._require().batch_size)
     total_tokens = property(lambda self: self._require().total_tokens)
     total_pages = property(lambda self: self._require().total_pages)
     num_tiles = property(lambda self: self._require().num_tiles)
-    cta_tile_q = property(lambda self: self._require().cta_tile_q)
     head_dim = property(lambda self: self._require().head_dim)
     num_qo_heads = property(lambda self: self._require().num_qo_heads)
     num_kv_heads = property(lambda self: self._require().num_kv_heads)
     page_size = property(lambda self: self._require().page_size)
     max_page_index = property(lambda self: self._require().max_page_index)
     max_last_page_len = property(lambda self: self._require().max_last_page_len)
-    seq_lens = property(lambda self: self._require().seq_lens)
-    start_positions = property(lambda self: self._require().start_positions)
-    pages = property(lambda self: self._require().pages)
-    new_slot_collision = property(lambda self: self._require().new_slot_collision)
+
+    @property
+    def cta_tile_q(self) -> int:
+        """The query tile every layout of this plan uses (fixed at creation)."""
+        return self._tile if self._tile is not None else self._require().cta_tile_q
+
+    @property
+    def tile_reason(self) -> str:
+        """Why the plan has its tile: ``explicit`` or the policy's rule."""
+        return self._tile_reason
 
     @property
     def group_size(self) -> int:
-        layout = self._require()
-        return layout.num_qo_heads // layout.num_kv_heads
+        s = self._require()
+        return s.num_qo_heads // s.num_kv_heads
+
+    def _tuple(self, name: str, make) -> tuple:
+        self._require()
+        if name not in self._derived:
+            self._derived[name] = make(self._state)
+        return self._derived[name]
+
+    @property
+    def start_positions(self) -> tuple[int, ...]:
+        return self._tuple("start", lambda s: tuple(s.start_positions.tolist()))
+
+    @property
+    def seq_lens(self) -> tuple[int, ...]:
+        return self._tuple("seq", lambda s: tuple(np.diff(s.qo_indptr).tolist()))
 
     @property
     def kv_lens(self) -> tuple[int, ...]:
-        layout = self._require()
-        return tuple(s + q for s, q in zip(layout.start_positions, layout.seq_lens))
+        return self._tuple("kv", lambda s: tuple((s.start_positions + np.diff(s.qo_indptr)).tolist()))
+
+    @property
+    def pages(self) -> tuple[tuple[int, ...], ...]:
+        """Each request's page ids."""
+        def split(s):
+            ids, bounds = s.page_indices.tolist(), s.page_indptr.tolist()
+            return tuple(tuple(ids[a:b]) for a, b in zip(bounds, bounds[1:]))
+        return self._tuple("pages", split)
 
     # -- printing and round trips -------------------------------------------------------------------------------
     def __repr__(self) -> str:
         cap = self.capacity
         capacity = (f"capacity(tokens={cap.max_total_tokens}, pages={cap.max_total_pages}, "
                     f"batch={cap.max_batch}, tiles={cap.max_tiles})")
-        if self._layout is None:
-            return f"PrefillPagedPlan(unfilled, {capacity})"
-        p = self._layout
+        if self._state is None:
+            return f"PrefillPagedPlan(unfilled, cta_tile_q={self._tile}, {capacity})"
+        p = self._state
         return (f"PrefillPagedPlan(batch={p.batch_size}, total_tokens={p.total_tokens}, "
                 f"pages={p.total_pages}, tiles={p.num_tiles}, cta_tile_q={p.cta_tile_q}, "
                 f"heads={p.num_qo_heads}/{p.num_kv_heads}, head_dim={p.head_dim}, page_size={p.page_size}, "
                 f"max_page_index={p.max_page_index}, max_last_page_len={p.max_last_page_len}, {capacity})")
 
     def describe(self) -> str:
-        """A multi-line summary: the plan and one line per request (start, seq, kv_len, pages, tiles)."""
-        lines = [repr(self)]
-        if self._layout is None:
-            return lines[0]
-        p = self._layout
-        tiles = [0] * p.batch_size
-        for r in p.request_indices:
-            tiles[r] += 1
+        """A multi-line summary: the plan, its tile and why, and one line per request."""
+        lines = [repr(self), f"tile: cta_tile_q={self.cta_tile_q} ({self._tile_reason})"]
+        if self._state is None:
+            return "\n".join(lines)
+        p = self._state
+        tiles = np.bincount(p.request_indices, minlength=p.batch_size).tolist()
         header = ("req", 4), ("start", 7), ("seq", 6), ("kv_len", 7), ("pages", 6), ("last", 5), ("tiles", 6)
         lines.append(" ".join(f"{name:>{width}}" for name, width in header) + "  page ids")
-        for i in range(p.batch_size):
-            ids = p.pages[i]
+        for i, (start, seq, kv, ids) in enumerate(zip(self.start_positions, self.seq_lens, self.kv_lens,
+                                                      self.pages)):
             shown = " ".join(map(str, ids[:8])) + (" …" if len(ids) > 8 else "")
-            lines.append(f"{i:>4} {p.start_positions[i]:>7} {p.seq_lens[i]:>6} "
-                         f"{p.start_positions[i] + p.seq_lens[i]:>7} {len(ids):>6} {p.last_page_lens[i]:>5} "
+            lines.append(f"{i:>4} {start:>7} {seq:>6} {kv:>7} {len(ids):>6} {int(p.last_page_len[i]):>5} "
                          f"{tiles[i]:>6}  {shown}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        """A JSON-ready dict: capacity, the requests, and the derived arrays (for diffing)."""
+        """A JSON-ready dict: capacity, the fixed tile, the requests, and the derived arrays (for diffing)."""
         cap = self.capacity
         data = {"capacity": {"max_total_tokens": cap.max_total_tokens, "max_total_pages": cap.max_total_pages,
-                             "max_batch": cap.max_batch, "max_tiles": cap.max_tiles}}
-        if self._layout is None:
+                             "max_batch": cap.max_batch, "max_tiles": cap.max_tiles},
+                "cta_tile_q": self._tile}
+        if self._state is None:
             return data
-        p = self._layout
+        p = self._state
         data.update({
             "num_qo_heads": p.num_qo_heads, "num_kv_heads": p.num_kv_heads, "head_dim": p.head_dim,
-            "page_size": p.page_size, "cta_tile_q": p.cta_tile_q,
-            "page_indices": [list(x) for x in p.pages], "last_page_lens": list(p.last_page_lens),
-            "start_positions": list(p.start_positions), "seq_lens": list(p.seq_lens),
-            "derived": {"page_indptr": list(p.page_indptr), "qo_indptr": list(p.qo_indptr),
-                        "request_indices": list(p.request_indices), "qo_tile_indices": list(p.qo_tile_indices),
+            "page_size": p.page_size,
+            "page_indices": [list(x) for x in self.pages], "last_page_lens": p.last_page_len.tolist(),
+            "start_positions": list(self.start_positions), "seq_lens": list(self.seq_lens),
+            "derived": {"page_indptr": p.page_indptr.tolist(), "qo_indptr": p.qo_indptr.tolist(),
+                        "request_indices": p.request_indices.tolist(),
+                        "qo_tile_indices": p.qo_tile_indices.tolist(),
                         "max_page_index": p.max_page_index, "max_last_page_len": p.max_last_page_len},
         })
         return data
 
+    _REQUEST_KEYS = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "page_indices", "last_page_lens",
+                     "start_positions", "seq_lens")
+    _CAPACITY_KEYS = ("max_total_tokens", "max_total_pages", "max_batch", "max_tiles")
+
     @classmethod
-    def from_dict(cls, data: dict, *, device=None) -> PrefillPagedPlan:
-        """Rebuild (and re-validate) a plan from :meth:`to_dict`; derived arrays, if present, must agree."""
-        plan = cls.preallocated(**data["capacity"], device=device)
-        if "seq_lens" not in data:
-            return plan
-        plan.update(data["page_indices"], data["last_page_lens"], data["start_positions"], data["seq_lens"],
-                    num_qo_heads=data["num_qo_heads"], num_kv_heads=data["num_kv_heads"],
-                    head_dim=data["head_dim"], page_size=data["page_size"], cta_tile_q=data["cta_tile_q"])
+    def from_dict(cls, data, *, device=None) -> PrefillPagedPlan:
+        """Rebuild a plan from :meth:`to_dict`, re-validating everything (a trust boundary): unknown or missing
+        keys, wrong types and oversized capacities raise PagedWindowError naming the key, before anything is
+        allocated; recorded derived arrays must agree with the rebuilt plan."""
+        if not isinstance(data, Mapping):
+            raise PagedWindowError(f"from_dict: expected a dict, got {type(data).__name__}")
+        known = {"capacity", "cta_tile_q", "derived", *cls._REQUEST_KEYS}
+        unknown = sorted(map(str, set(data) - known))
+        if unknown:
+            raise PagedWindowError(f"from_dict: unknown key(s) {unknown}")
+        capacity = data.get("capacity")
+        if not isinstance(capacity, Mapping):
+            raise PagedWindowError(f"from_dict: 'capacity' must be a dict with keys {list(cls._CAPACITY_KEYS)}, "
+                                   f"got {type(capacity).__name__}")
+        if set(capacity) != set(cls._CAPACITY_KEYS):
+            raise PagedWindowError(f"from_dict: 'capacity' has keys {sorted(map(str, capacity))}; expected "
+                                   f"{sorted(cls._CAPACITY_KEYS)}")
+        present = [k for k in cls._REQUEST_KEYS if k in data]
+        if present and len(present) != len(cls._REQUEST_KEYS):
+            missing = [k for k in cls._REQUEST_KEYS if k not in data]
+            raise PagedWindowError(f"from_dict: a filled plan needs every request key; missing {missing}")
+        if "derived" in data and not present:
+            raise PagedWindowError("from_dict: 'derived' arrays given for a plan with no requests")
+        tile = data.get("cta_tile_q")
+        try:
+            checked = PlanCapacity.checked("capacity.", *(capacity[k] for k in cls._CAPACITY_KEYS))
+            plan = cls.preallocated(**{k: getattr(checked, k) for k in cls._CAPACITY_KEYS},
+                                    cta_tile_q=tile, device=device)
+            if not present:
+                return plan
+            plan.update(data["page_indices"], data["last_page_lens"], data["start_positions"], data["seq_lens"],
+                        num_qo_heads=data["num_qo_heads"], num_kv_heads=data["num_kv_heads"],
+                        head_dim=data["head_dim"], page_size=data["page_size"])
+        except PagedWindowError as exc:
+            raise PagedWindowError(f"from_dict: {exc}") from None
+        except (TypeError, ValueError, KeyError, OverflowError, AttributeError) as exc:
+            raise PagedWindowError(f"from_dict: malformed plan dict ({type(exc).__name__}: {exc})") from None
         derived = data.get("derived")
         if derived is not None and derived != plan.to_dict()["derived"]:
-            raise PagedWindowError("from_dict: the recorded derived arrays disagree with the rebuilt plan")
+            raise PagedWindowError("from_dict: the recorded 'derived' arrays disagree with the rebuilt plan")
         return plan
 
     def __eq__(self, other) -> bool:
         return isinstance(other, PrefillPagedPlan) and self.to_dict() == other.to_dict()
 
     __hash__ = None  # mutable (update)
+
+
+def _csr_arrays(qo_indptr, kv_indptr, kv_indices, last_page_len):
+    return (int_array("qo_indptr", qo_indptr), int_array("kv_indptr", kv_indptr),
+            int_array("kv_indices", kv_indices), int_array("last_page_len", last_page_len))
 

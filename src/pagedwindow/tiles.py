@@ -1,0 +1,82 @@
+"""The query tiles the head_dim-256 kernels run, and the policy that picks a plan's default tile.
+
+A tile is ``cta_tile_q`` packed GQA rows per CTA (packed row ``r`` is token ``r // group``, head-in-group
+``r % group``); request ``i`` gets ``ceil(seq_i * group / cta_tile_q)`` tiles. Any supported tile is correct;
+the policy picks the one measured fastest for the shape on the device the plan is for
+(``benchmarks/NOTES.md``, "Tile policy"):
+
+- Hopper (compute capability 9.0, the wgmma kernel): 128 when the requests carrying new rows average at least
+  128 packed rows and the 128-row grid (tiles x KV heads) still fills every SM (long prefills and chunks:
+  1.3-1.4x faster than 64 on the H200), 16 when the whole batch fits in 16 packed rows, else 64 (decode: a
+  128-row tile computes 64x more padding for a 2-row request; a 512-token chunk at 8 KV heads makes 64 CTAs at
+  tile 128 on 132 SMs and runs 1.35x faster at 64).
+- Other GPUs (the mma.sync kernel): 16 when the whole batch fits in 16 packed rows, else 64 (128 gains nothing
+  there: the kernel is bound by its shared-memory reads).
+- No GPU: the Hopper rule, so a plan built on a CPU host lays out the way it would on the target.
+
+A preallocated plan fixes its tile from its capacity (``tile_for_capacity``): on Hopper 128 when the capacity
+averages at least 64 new tokens per request, else 64; elsewhere 64.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+SUPPORTED_CTA_TILE_Q = (16, 64, 128)
+"""Every tile both prefill kernels are built for (``kernels/prefill_launch.cuh`` checks the same list)."""
+
+CPU_DEFAULT_CAPABILITY = (9, 0)
+CPU_DEFAULT_SM_COUNT = 132
+"""The device the policy assumes when a plan is built with no GPU in sight: the H200 (sm_90a, 132 SMs)."""
+
+_devices: dict[int, tuple[tuple[int, int], int]] = {}
+
+
+def device_traits(device) -> tuple[tuple[int, int], int]:
+    """(compute capability, SM count) of the GPU a plan is for: ``device`` if it is a CUDA device, else the current
+    CUDA device when one is present, else the CPU default (an H200). Cached per device index."""
+    if device is not None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return CPU_DEFAULT_CAPABILITY, CPU_DEFAULT_SM_COUNT
+        index = device.index
+    elif torch.cuda.is_available():
+        index = None
+    else:
+        return CPU_DEFAULT_CAPABILITY, CPU_DEFAULT_SM_COUNT
+    if index is None:
+        index = torch.cuda.current_device()
+    found = _devices.get(index)
+    if found is None:
+        props = torch.cuda.get_device_properties(index)
+        found = _devices[index] = ((props.major, props.minor), props.multi_processor_count)
+    return found
+
+
+def tile_for_batch(seq_lens: np.ndarray, group: int, num_kv_heads: int, device=None) -> tuple[int, str]:
+    """The default tile for a batch with these new-row counts (``seq_lens [batch]``); returns (tile, reason)."""
+    capability, sm_count = device_traits(device)
+    rows = seq_lens * group  # [batch] packed rows
+    total = int(rows.sum())
+    if total <= 16:
+        return 16, f"policy sm_{capability[0]}{capability[1]}: all {total} packed rows fit one 16-row tile"
+    if capability == (9, 0):
+        busy = rows[rows > 0]  # [requests with new rows]
+        mean = float(busy.mean())
+        if mean < 128:
+            return 64, f"policy sm_90: {mean:.0f} packed rows per request < 128"
+        ctas = int((-(-busy // 128)).sum()) * num_kv_heads
+        if ctas < sm_count:
+            return 64, f"policy sm_90: {ctas} CTAs at tile 128 leave some of {sm_count} SMs idle"
+        return 128, f"policy sm_90: {mean:.0f} packed rows per request >= 128, {ctas} CTAs"
+    return 64, f"policy sm_{capability[0]}{capability[1]}: mma.sync kernel"
+
+
+def tile_for_capacity(max_total_tokens: int, max_batch: int, device=None) -> tuple[int, str]:
+    """The tile a preallocated plan fixes at creation, from its capacity; returns (tile, reason)."""
+    capability, _ = device_traits(device)
+    per_request = max_total_tokens / max_batch
+    if capability == (9, 0) and per_request >= 64:
+        return 128, f"policy sm_90 capacity: {per_request:.0f} tokens per request >= 64"
+    return 64, f"policy sm_{capability[0]}{capability[1]} capacity: {per_request:.0f} tokens per request"

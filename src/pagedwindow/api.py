@@ -2,10 +2,21 @@
 
 ``batch_prefill_paged_window`` reads attention through a plan; ``append_paged_kv`` writes the new rows' K/V into
 their slots ("append then attend"). Both route to a backend: ``"reference"`` (PyTorch), ``"cuda"`` (our kernels)
-or ``"auto"`` (cuda when the tensors are on a GPU and the kernels build, else the reference).
+or ``"auto"`` (cuda when the tensors are on a GPU and the kernels can run them, else the reference; a fallback
+on GPU tensors warns once, with the reason).
+
+Autograd: neither op is differentiable. Inputs that require grad (q, k, v) are read as detached values; a tensor
+that would be written (``out``, ``lse``, the pool) must not require grad, and one made under
+``torch.inference_mode()`` may only be written inside inference mode. Both are refused before any write.
+
+Host cost: a call re-checks everything, but what depends only on the pool is cached (the checked geometry, keyed
+by the layout, layer and the pool's dtype, shape, device and contiguity) and what depends only on the plan is
+computed once per plan update (the kernels' parameter block).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 
@@ -18,29 +29,46 @@ from .semantics import check_sm_scale, check_window_left
 BACKENDS = ("auto", "reference", "cuda")
 
 
-def _cuda_backend():
-    from . import cuda  # imported only when asked for: building kernels needs nvcc
+_cuda_module = []  # the CUDA backend once imported
 
-    return cuda
+
+def _cuda_backend():
+    if not _cuda_module:
+        from . import cuda  # imported only when asked for: building kernels needs nvcc
+
+        _cuda_module.append(cuda)
+    return _cuda_module[0]
+
+
+_fallbacks_warned: set[str] = set()
 
 
 def _resolve_backend(what: str, backend: str, plan: PrefillPagedPlan, *tensors: torch.Tensor) -> str:
     """The backend that runs this call; ``tensors[0]`` decides device and dtype."""
-    device = tensors[0].device
-    if backend not in BACKENDS:
-        raise PagedWindowError(f"{what}: backend {backend!r} is not one of {BACKENDS}")
     if backend == "reference":
         return backend
+    if backend not in BACKENDS:
+        raise PagedWindowError(f"{what}: backend {backend!r} is not one of {BACKENDS}")
+    device = tensors[0].device
     if backend == "auto":
-        if device.type != "cuda" or _cuda_backend().unsupported(what, plan, *tensors) is not None:
+        if device.type != "cuda":
             return "reference"
-        return "cuda" if _cuda_backend().available() else "reference"
+        cuda = _cuda_backend()
+        reason = cuda.unavailable_reason() or cuda.unsupported(what, plan, *tensors)
+        if reason is None:
+            return "cuda"
+        if reason not in _fallbacks_warned:
+            _fallbacks_warned.add(reason)
+            warnings.warn(f"{what}: backend 'auto' runs the PyTorch reference on {device}: {reason}",
+                          RuntimeWarning, stacklevel=3)
+        return "reference"
     if device.type != "cuda":
         raise PagedWindowError(f"{what}: backend 'cuda' needs tensors on a CUDA device, got {device}")
-    reason = _cuda_backend().unsupported(what, plan, *tensors)
+    cuda = _cuda_backend()
+    reason = cuda.unsupported(what, plan, *tensors)
     if reason is not None:
         raise PagedWindowError(f"{what}: backend 'cuda' does not support {reason}")
-    _cuda_backend().require()  # raises PagedWindowError naming why the kernels cannot be built or loaded
+    cuda.require()  # raises PagedWindowError naming why the kernels cannot be built or loaded
     return "cuda"
 
 
@@ -52,7 +80,26 @@ def _check_plan(what: str, plan) -> None:
         raise PagedWindowError(f"{what}: the plan was preallocated but never filled: call plan.update(...) first")
 
 
-def _check_plan_against_pool(what: str, plan: PrefillPagedPlan, geometry: PagedGeometry) -> None:
+_geometries: dict[tuple, PagedGeometry] = {}
+_GEOMETRY_CACHE_SIZE = 64
+
+
+def _pool_geometry(what: str, layout, pool, layer, head_dim: int, num_kv_heads: int) -> PagedGeometry:
+    """``checked_paged_geometry``, cached for plain tensors by everything the geometry is a function of
+    (the layout, layer, heads, and the pool's dtype, shape, device and contiguity)."""
+    if type(pool) is not torch.Tensor or type(layer) is not int or type(layout) is not PagedKvLayout:
+        return checked_paged_geometry(what, layout, pool, layer, head_dim, num_kv_heads)
+    key = (layout, layer, head_dim, num_kv_heads, pool.dtype, pool.shape, pool.device, pool.is_contiguous())
+    geometry = _geometries.get(key)
+    if geometry is None:
+        geometry = checked_paged_geometry(what, layout, pool, layer, head_dim, num_kv_heads)
+        if len(_geometries) >= _GEOMETRY_CACHE_SIZE:
+            _geometries.clear()
+        _geometries[key] = geometry
+    return geometry
+
+
+def _check_plan_against_pool(what: str, plan, geometry: PagedGeometry) -> None:
     """The plan's recorded bounds fit the pool (the kernels have no device-side bounds check)."""
     if plan.max_page_index >= geometry.num_pages:
         raise PagedWindowError(
@@ -69,16 +116,17 @@ def _check_plan_against_pool(what: str, plan: PrefillPagedPlan, geometry: PagedG
         )
 
 
-def _check_rows(what: str, name: str, t: torch.Tensor, *, rows: int, tail: tuple[int, ...], pool: torch.Tensor,
+def _check_rows(what: str, name: str, t, *, rows: int, tail: tuple[int, ...], pool: torch.Tensor,
                 dtype: torch.dtype | None = None) -> None:
     """``t`` is a contiguous tensor ``[>= rows, *tail]`` on the pool's device with the pool's dtype."""
     if not isinstance(t, torch.Tensor):
         raise PagedWindowError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    shape = t.shape
+    if len(shape) != 1 + len(tail) or tuple(shape[1:]) != tail:
+        raise PagedWindowError(f"{what}: {name} shape {tuple(shape)} must be [rows, {', '.join(map(str, tail))}]")
+    if shape[0] < rows:
+        raise PagedWindowError(f"{what}: {name} has {shape[0]} rows; the plan needs {rows} (total_tokens)")
     want_dtype = pool.dtype if dtype is None else dtype
-    if t.dim() != 1 + len(tail) or tuple(t.shape[1:]) != tail:
-        raise PagedWindowError(f"{what}: {name} shape {tuple(t.shape)} must be [rows, {', '.join(map(str, tail))}]")
-    if t.shape[0] < rows:
-        raise PagedWindowError(f"{what}: {name} has {t.shape[0]} rows; the plan needs {rows} (total_tokens)")
     if t.dtype != want_dtype:
         raise PagedWindowError(f"{what}: {name} dtype {t.dtype} must be {want_dtype}")
     if t.device != pool.device:
@@ -87,22 +135,32 @@ def _check_rows(what: str, name: str, t: torch.Tensor, *, rows: int, tail: tuple
         raise PagedWindowError(f"{what}: {name} must be contiguous (strides {t.stride()})")
 
 
+def _check_writable(what: str, name: str, t: torch.Tensor) -> None:
+    """A tensor this call writes is not tracked by autograd and may be written in the current mode."""
+    if t.requires_grad:
+        raise PagedWindowError(f"{what}: {name} requires grad; the op writes it in place and is not "
+                               f"differentiable (pass a tensor that does not require grad)")
+    if not torch.compiler.is_compiling() and t.is_inference() and not torch.is_inference_mode_enabled():
+        raise PagedWindowError(f"{what}: {name} was made under torch.inference_mode() and may only be written "
+                               f"inside inference mode")
+
+
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
     start = t.data_ptr()
     return start, start + t.numel() * t.element_size()
 
 
-def _check_disjoint(what: str, written: str, w: torch.Tensor, others: dict) -> None:
-    """The tensor written to must not share a byte with any input (it would be read while being written)."""
+def _check_disjoint(what: str, written: str, w: torch.Tensor, *others: tuple[str, torch.Tensor | None]) -> None:
+    """The tensor written to must not share a byte with any input (it would be read while being written).
+    Every tensor here was checked to be on one device."""
     if torch.compiler.is_compiling():
         return  # fake tensors have no addresses; the custom op's mutation annotation covers aliasing under compile
     w0, w1 = _byte_range(w)
-    for name, t in others.items():
-        if t is None or t.device != w.device:
-            continue
-        t0, t1 = _byte_range(t)
-        if w0 < t1 and t0 < w1:
-            raise PagedWindowError(f"{what}: {written} overlaps {name} in memory")
+    for name, t in others:
+        if t is not None:
+            t0, t1 = _byte_range(t)
+            if w0 < t1 and t0 < w1:
+                raise PagedWindowError(f"{what}: {written} overlaps {name} in memory")
 
 
 def batch_prefill_paged_window(q: torch.Tensor, pool: torch.Tensor, layout: PagedKvLayout, layer: int,
@@ -114,55 +172,64 @@ def batch_prefill_paged_window(q: torch.Tensor, pool: torch.Tensor, layout: Page
     q: ``[rows >= total_tokens, num_qo_heads, head_dim]`` (query row j of request i is at KV position
     ``start_i + j``); pool: ``layout.allocate(...)``; ``sm_scale`` explicit, finite, > 0; ``window_left`` inclusive,
     ``-1`` = none. out (optional): like q; rows past ``total_tokens`` are untouched. lse (optional): fp32
-    ``[rows >= total_tokens, num_qo_heads]``, natural-log logsumexp of the scaled logits.
+    ``[rows >= total_tokens, num_qo_heads]``, natural-log logsumexp of the scaled logits. A plan with no new rows
+    returns at once (after the checks).
     """
     what = "batch_prefill_paged_window"
     sm_scale = check_sm_scale(sm_scale)
     window_left = check_window_left(window_left)
     _check_plan(what, plan)
-    geometry = checked_paged_geometry(what, layout, pool, layer, plan.head_dim, plan.num_kv_heads)
-    _check_plan_against_pool(what, plan, geometry)
-    tail = (plan.num_qo_heads, plan.head_dim)
-    _check_rows(what, "q", q, rows=plan.total_tokens, tail=tail, pool=pool)
+    state = plan.state
+    geometry = _pool_geometry(what, layout, pool, layer, state.head_dim, state.num_kv_heads)
+    _check_plan_against_pool(what, state, geometry)
+    rows = state.total_tokens
+    tail = (state.num_qo_heads, state.head_dim)
+    _check_rows(what, "q", q, rows=rows, tail=tail, pool=pool)
     if out is None:
-        out = torch.empty((plan.total_tokens, *tail), dtype=q.dtype, device=q.device)
+        out = torch.empty((rows, *tail), dtype=q.dtype, device=q.device)
     else:
-        _check_rows(what, "out", out, rows=plan.total_tokens, tail=tail, pool=pool)
-        _check_disjoint(what, "out", out, {"q": q, "pool": pool, "lse": lse})
+        _check_rows(what, "out", out, rows=rows, tail=tail, pool=pool)
+        _check_writable(what, "out", out)
+        _check_disjoint(what, "out", out, ("q", q), ("pool", pool), ("lse", lse))
     if lse is not None:
-        _check_rows(what, "lse", lse, rows=plan.total_tokens, tail=(plan.num_qo_heads,), pool=pool,
-                    dtype=torch.float32)
-        _check_disjoint(what, "lse", lse, {"q": q, "pool": pool})
+        _check_rows(what, "lse", lse, rows=rows, tail=(state.num_qo_heads,), pool=pool, dtype=torch.float32)
+        _check_writable(what, "lse", lse)
+        _check_disjoint(what, "lse", lse, ("q", q), ("pool", pool))
     chosen = _resolve_backend(what, backend, plan, q, pool, out, lse)
+    if rows == 0:
+        return out[:0]
     if chosen == "cuda":
         _cuda_backend().batch_prefill_paged_window(q, pool, geometry, plan, sm_scale=sm_scale,
                                                    window_left=window_left, out=out, lse=lse)
     else:
-        reference.batch_prefill_paged_window(q, pool, geometry, plan, sm_scale=sm_scale, window_left=window_left,
-                                             out=out, lse=lse)
-    return out[: plan.total_tokens]
+        reference.batch_prefill_paged_window(q.detach(), pool.detach(), geometry, plan, sm_scale=sm_scale,
+                                             window_left=window_left, out=out, lse=lse)
+    return out if out.shape[0] == rows else out[:rows]
 
 
 def append_paged_kv(k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, layout: PagedKvLayout, layer: int,
                     plan: PrefillPagedPlan, *, backend: str = "auto") -> None:
     """Write each request's new K/V rows (positions ``start_i .. start_i + seq_i - 1``) into their slots.
 
-    k, v: ``[rows >= total_tokens, num_kv_heads, head_dim]`` in request order. Refuses a plan whose new rows
-    collide (two writes to one slot) and one whose page ids or last-page length do not fit the pool.
+    k, v: ``[rows >= total_tokens, num_kv_heads, head_dim]`` in request order, read as detached values. The plan
+    guarantees no two new rows share a slot and none lands in another request's cached prefix; its page ids and
+    last-page length must fit the pool. A plan with no new rows returns at once (after the checks).
     """
     what = "append_paged_kv"
     _check_plan(what, plan)
-    geometry = checked_paged_geometry(what, layout, pool, layer, plan.head_dim, plan.num_kv_heads)
-    _check_plan_against_pool(what, plan, geometry)
-    if plan.new_slot_collision is not None:
-        raise PagedWindowError(f"{what}: the plan's new rows collide: {plan.new_slot_collision}")
-    tail = (plan.num_kv_heads, plan.head_dim)
-    _check_rows(what, "k", k, rows=plan.total_tokens, tail=tail, pool=pool)
-    _check_rows(what, "v", v, rows=plan.total_tokens, tail=tail, pool=pool)
-    _check_disjoint(what, "pool", pool, {"k": k, "v": v})
+    state = plan.state
+    geometry = _pool_geometry(what, layout, pool, layer, state.head_dim, state.num_kv_heads)
+    _check_plan_against_pool(what, state, geometry)
+    rows = state.total_tokens
+    tail = (state.num_kv_heads, state.head_dim)
+    _check_rows(what, "k", k, rows=rows, tail=tail, pool=pool)
+    _check_rows(what, "v", v, rows=rows, tail=tail, pool=pool)
+    _check_writable(what, "pool", pool)
+    _check_disjoint(what, "pool", pool, ("k", k), ("v", v))
     chosen = _resolve_backend(what, backend, plan, pool, k, v)
+    if rows == 0:
+        return
     if chosen == "cuda":
         _cuda_backend().append_paged_kv(k, v, pool, geometry, plan)
     else:
-        reference.append_paged_kv(k, v, pool, geometry, plan)
-
+        reference.append_paged_kv(k.detach(), v.detach(), pool, geometry, plan)

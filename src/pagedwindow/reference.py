@@ -23,11 +23,16 @@ def _layer_cache(pool: torch.Tensor, geometry: PagedGeometry, which: int, num_kv
     return pages[:, offset: offset + block].view(geometry.num_pages, geometry.page_size, num_kv_heads, head_dim)
 
 
-def _slots(plan: PrefillPagedPlan, request: int, lo: int, hi: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(page id, slot) of KV positions ``lo .. hi-1`` of one request."""
-    pos = torch.arange(lo, hi, device=device)  # [hi - lo]
-    pages = torch.tensor(plan.pages[request], dtype=torch.long, device=device)  # [pages of request]
-    return pages[pos // plan.page_size], pos % plan.page_size
+def _slots(pages: torch.Tensor, page_size: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page id, slot) of KV positions ``lo .. hi-1`` of a request whose page ids are ``pages``."""
+    pos = torch.arange(lo, hi, device=pages.device)  # [hi - lo]
+    return pages[pos // page_size], pos % page_size
+
+
+def _request_pages(plan: PrefillPagedPlan, device) -> list[torch.Tensor]:
+    """Each request's page ids as a long tensor on ``device``."""
+    ids = plan.page_indices.to(device=device, dtype=torch.long)  # [total_pages]
+    return list(torch.split(ids, torch.diff(plan.page_indptr).tolist()))
 
 
 def batch_prefill_paged_window(q: torch.Tensor, pool: torch.Tensor, geometry: PagedGeometry, plan: PrefillPagedPlan,
@@ -42,6 +47,7 @@ def batch_prefill_paged_window(q: torch.Tensor, pool: torch.Tensor, geometry: Pa
     k_cache = _layer_cache(pool, geometry, 0, hkv, d)  # [num_pages, page_size, hkv, d]
     v_cache = _layer_cache(pool, geometry, 1, hkv, d)
     qo = plan.qo_indptr.tolist()
+    request_pages = _request_pages(plan, pool.device)
     for r, (start, seq) in enumerate(zip(plan.start_positions, plan.seq_lens)):
         if seq == 0:
             continue
@@ -51,7 +57,7 @@ def batch_prefill_paged_window(q: torch.Tensor, pool: torch.Tensor, geometry: Pa
             j1 = min(seq, j0 + rows_per_chunk)
             q_lo, q_hi = start + j0, start + j1  # KV positions of these query rows: [q_lo, q_hi)
             k_lo = window_start(q_lo, window_left)
-            page_ids, slots = _slots(plan, r, k_lo, q_hi, pool.device)
+            page_ids, slots = _slots(request_pages[r], plan.page_size, k_lo, q_hi)
             keys = k_cache[page_ids, slots].to(compute)  # [m, hkv, d]
             values = v_cache[page_ids, slots].to(compute)  # [m, hkv, d]
             rows = q[qo[r] + j0: qo[r] + j1].to(compute).view(j1 - j0, hkv, group, d)  # [n, hkv, g, d]
@@ -79,9 +85,10 @@ def append_paged_kv(k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, geomet
     k_cache = _layer_cache(pool, geometry, 0, plan.num_kv_heads, plan.head_dim)
     v_cache = _layer_cache(pool, geometry, 1, plan.num_kv_heads, plan.head_dim)
     qo = plan.qo_indptr.tolist()
+    request_pages = _request_pages(plan, pool.device)
     for r, (start, seq) in enumerate(zip(plan.start_positions, plan.seq_lens)):
         if seq == 0:
             continue
-        page_ids, slots = _slots(plan, r, start, start + seq, pool.device)
+        page_ids, slots = _slots(request_pages[r], plan.page_size, start, start + seq)
         k_cache[page_ids, slots] = k[qo[r]: qo[r] + seq]
         v_cache[page_ids, slots] = v[qo[r]: qo[r] + seq]

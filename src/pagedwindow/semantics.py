@@ -31,14 +31,41 @@ def check_window_left(window_left) -> int:
     return checked_i32("window_left", window_left, minimum=NO_WINDOW)
 
 
+_FLT_MIN = 1.1754943508222875e-38  # smallest normal fp32
+_FLT_MAX_OVER_LOG2E = 3.4028234663852886e38 / 1.4426950408889634  # the kernels scale by sm_scale * log2(e)
+
+
+def round_to_fp32(value: float) -> float:
+    """``value`` rounded to the nearest fp32 mantissa (24 bits, ties to even), for finite values in fp32's normal
+    range; plain Python so ``torch.compile`` traces it. Values past that range come back out of range (never
+    inf), for the caller's bounds check."""
+    mantissa, exponent = math.frexp(value)
+    return math.ldexp(round(mantissa * 16777216.0), exponent - 24)
+
+
+_last_scale = [math.nan, math.nan]  # (the last accepted float, its fp32 rounding); nan never compares equal
+
+
 def check_sm_scale(sm_scale) -> float:
-    """``sm_scale`` is required, finite and > 0 (Gemma 4: 1.0; Gemma 3: query_pre_attn_scalar ** -0.5)."""
+    """``sm_scale`` is required, and after rounding to fp32 (what the kernels use) finite, normal and > 0, with
+    ``sm_scale * log2(e)`` finite too (Gemma 4: 1.0; Gemma 3: query_pre_attn_scalar ** -0.5). Returns the fp32
+    value as a Python float."""
+    if type(sm_scale) is float and sm_scale == _last_scale[0]:
+        return _last_scale[1]  # the serving loop's case: the same scale every call
     if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
         raise PagedWindowError(f"sm_scale must be a real number, got {sm_scale!r}")
     value = float(sm_scale)
     if not math.isfinite(value) or value <= 0.0:
         raise PagedWindowError(f"sm_scale = {value!r} must be finite and > 0")
-    return value
+    rounded = round_to_fp32(value)
+    if rounded > _FLT_MAX_OVER_LOG2E:
+        raise PagedWindowError(f"sm_scale = {value!r} is too large for fp32: sm_scale * log2(e) must stay finite "
+                               f"(bound {_FLT_MAX_OVER_LOG2E:.6g})")
+    if rounded < _FLT_MIN:
+        raise PagedWindowError(f"sm_scale = {value!r} is below fp32's smallest normal number {_FLT_MIN!r} (it "
+                               f"would round to a subnormal or 0)")
+    _last_scale[:] = (value, rounded)
+    return rounded
 
 
 def query_position(kv_len: int, seq_len: int, row: int) -> int:

@@ -11,12 +11,13 @@ import torch
 from ..errors import PagedWindowError
 from ..layout import PagedGeometry
 from ..plan import PrefillPagedPlan
+from ..tiles import SUPPORTED_CTA_TILE_Q
+from . import ops
 from .build import BuildError
 
 PREFILL_HEAD_DIM = 256
 PREFILL_DTYPES = (torch.bfloat16,)
 APPEND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-KERNEL_CTA_TILE_Q = (16, 64, 128)
 
 
 def unsupported(what: str, plan: PrefillPagedPlan, *tensors: torch.Tensor) -> str | None:
@@ -33,8 +34,8 @@ def unsupported(what: str, plan: PrefillPagedPlan, *tensors: torch.Tensor) -> st
         return f"dtype {dtype} (supported: {PREFILL_DTYPES})"
     elif plan.head_dim != PREFILL_HEAD_DIM:
         return f"head_dim {plan.head_dim} (the kernel is built for {PREFILL_HEAD_DIM})"
-    elif plan.cta_tile_q not in KERNEL_CTA_TILE_Q:
-        return f"the plan's tile cta_tile_q={plan.cta_tile_q} (the kernel runs {KERNEL_CTA_TILE_Q})"
+    elif plan.cta_tile_q not in SUPPORTED_CTA_TILE_Q:
+        return f"the plan's tile cta_tile_q={plan.cta_tile_q} (the kernel runs {SUPPORTED_CTA_TILE_Q})"
     if not torch.compiler.is_compiling():
         for t in tensors:
             if t is not None and t.data_ptr() % 16:
@@ -51,13 +52,16 @@ def _load_error() -> str | None:
             _load_state["error"] = "no CUDA device is available"
         else:
             try:
-                from . import ops
-
                 ops.library(torch.device("cuda", torch.cuda.current_device()))
                 _load_state["error"] = None
             except (BuildError, OSError) as exc:
                 _load_state["error"] = f"the CUDA kernels could not be built or loaded: {exc}"
     return _load_state["error"]
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernels cannot be used in this process (no GPU, build or load failure), or None."""
+    return _load_error()
 
 
 def available() -> bool:
@@ -71,22 +75,46 @@ def require() -> None:
         raise PagedWindowError(f"backend 'cuda' is unavailable: {error}")
 
 
+def _prefill_block(plan: PrefillPagedPlan, device: torch.device, buffer: torch.Tensor):
+    """The plan's prefill parameter block on ``device``, built once per plan update (``plan.launch_cache``)."""
+    key = ("prefill", device.index)
+    block = plan.launch_cache.get(key)
+    if block is None:
+        block = plan.launch_cache[key] = ops.prefill_block(
+            buffer, plan.capacity.segment_offsets(), page_size=plan.page_size, num_qo_heads=plan.num_qo_heads,
+            num_kv_heads=plan.num_kv_heads, grid_tiles=plan.capacity.max_tiles, cta_tile_q=plan.cta_tile_q)
+    return block
+
+
 def batch_prefill_paged_window(q, pool, geometry: PagedGeometry, plan: PrefillPagedPlan, *, sm_scale: float,
                                window_left: int, out, lse=None) -> None:
-    from . import ops
-
-    buffer = plan.device_buffer(q.device)  # uploaded once per plan update; stable address
-    ops.prefill_hd256(q, pool, buffer, out, lse, geometry.k_offset, geometry.v_offset,
-                      geometry.page_stride, geometry.page_size, plan.num_qo_heads, plan.num_kv_heads,
-                      list(plan.capacity.segment_sizes()), plan.capacity.max_tiles, plan.cta_tile_q, sm_scale,
-                      window_left)
+    """Launch the prefill kernel. Eager calls (CUDA-graph capture included) go straight to the launcher;
+    under ``torch.compile`` the custom op is what gets traced."""
+    device = q.device
+    buffer = plan.device_buffer(device)  # uploaded once per plan update; stable address
+    if torch.compiler.is_compiling():
+        ops.prefill_hd256(q, pool, buffer, out, lse, geometry.k_offset, geometry.v_offset, geometry.page_stride,
+                          geometry.page_size, plan.num_qo_heads, plan.num_kv_heads,
+                          list(plan.capacity.segment_offsets()), plan.capacity.max_tiles, plan.cta_tile_q, sm_scale,
+                          window_left)
+        return
+    ops.launch_prefill(_prefill_block(plan, device, buffer), q, pool, out, lse, geometry.k_offset,
+                       geometry.v_offset, geometry.page_stride, sm_scale, window_left)
 
 
 def append_paged_kv(k, v, pool, geometry: PagedGeometry, plan: PrefillPagedPlan) -> None:
-    from . import ops
-
+    """Launch the pool write (eager: the launcher directly; compiled: the custom op)."""
     buffer = plan.device_buffer(k.device)
-    ops.append_paged_kv(k, v, pool, buffer, geometry.k_offset, geometry.v_offset, geometry.page_stride,
-                        geometry.page_size, plan.num_kv_heads, plan.head_dim, list(plan.capacity.segment_sizes()),
-                        plan.capacity.max_batch, plan.capacity.max_total_tokens)
-
+    cap = plan.capacity
+    if torch.compiler.is_compiling():
+        ops.append_paged_kv(k, v, pool, buffer, geometry.k_offset, geometry.v_offset, geometry.page_stride,
+                            geometry.page_size, plan.num_kv_heads, plan.head_dim, list(cap.segment_offsets()),
+                            cap.max_batch, cap.max_total_tokens)
+        return
+    key = ("append", k.device.index)
+    block = plan.launch_cache.get(key)
+    if block is None:
+        block = plan.launch_cache[key] = ops.append_block(
+            buffer, cap.segment_offsets(), page_size=plan.page_size, num_kv_heads=plan.num_kv_heads,
+            head_dim=plan.head_dim, batch_capacity=cap.max_batch, token_capacity=cap.max_total_tokens)
+    ops.launch_append(block, k, v, pool, geometry.k_offset, geometry.v_offset, geometry.page_stride)

@@ -2,11 +2,14 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import pagedwindow as pw
-from tests.cases import make_case
+from pagedwindow import reference
+from pagedwindow.semantics import check_sm_scale
+from tests.cases import dense_attention, make_case
 
 HQ, HKV, D, PS = 4, 2, 8, 4
 
@@ -25,6 +28,7 @@ def expect_refusal(fn, fragment, *watched):
     assert fragment in str(err.value), str(err.value)
     for t, b in zip(watched, before):
         assert torch.equal(t, b), "a refused call wrote to its output or pool"
+    return str(err.value)
 
 
 def prefill_call(case, **overrides):
@@ -51,10 +55,23 @@ def full(shape, value=7.0, dtype=torch.float32):
 @pytest.mark.parametrize("sm_scale, fragment", [(None, "sm_scale must be a real number"), (0.0, "sm_scale = 0.0"),
                                                 (-1.0, "sm_scale = -1.0"), (math.nan, "sm_scale = nan"),
                                                 (math.inf, "sm_scale = inf"), (True, "sm_scale must be a real"),
-                                                ("1", "sm_scale must be a real number")])
+                                                ("1", "sm_scale must be a real number"),
+                                                # finite in float64 but not a usable fp32 scale: the message
+                                                # names the value and the fp32 bounds it is checked against
+                                                (1e39, ("sm_scale = 1e+39 is too large for fp32",
+                                                        "(bound 2.35866e+38)")),
+                                                (3e38, "sm_scale = 3e+38 is too large for fp32: sm_scale * log2(e) "
+                                                       "must stay finite"),
+                                                (1e-46, ("sm_scale = 1e-46 is below fp32's smallest normal number",
+                                                         "would round to a subnormal or 0")),
+                                                (1e-39, "sm_scale = 1e-39 is below fp32's smallest normal"),
+                                                (-1e-46, "sm_scale = -1e-46"), (-math.inf, "sm_scale = -inf")])
 def test_bad_sm_scale(case, sm_scale, fragment):
     out = full(case.q.shape)
-    expect_refusal(prefill_call(case, sm_scale=sm_scale, out_tensor=out), fragment, out, case.pool)
+    first, *rest = (fragment,) if isinstance(fragment, str) else fragment
+    message = expect_refusal(prefill_call(case, sm_scale=sm_scale, out_tensor=out), first, out, case.pool)
+    for part in rest:
+        assert part in message, message
 
 
 @pytest.mark.parametrize("window_left, fragment", [(-2, "window_left = -2 is below its minimum -1"),
@@ -180,11 +197,28 @@ def test_bad_append_inputs(case, which, make, fragment):
                    case.pool)
 
 
-def test_append_refuses_colliding_new_rows(case):
-    clash = pw.PrefillPagedPlan.batch([[0], [0]], [2, 2], [0, 0], [2, 2], **other_plan(case))
-    k, v = torch.randn(4, HKV, D), torch.randn(4, HKV, D)
-    expect_refusal(lambda: pw.append_paged_kv(k, v, case.pool, case.layout, case.layer, clash),
-                   "new rows collide: requests 0 and 1 both write page 0 slot 0", case.pool)
+def test_colliding_new_rows_are_refused_when_the_plan_is_built(case):
+    # Two requests writing the same slots no longer reach the pool write: the plan itself is refused.
+    with pytest.raises(pw.PagedWindowError) as err:
+        pw.PrefillPagedPlan.batch([[0], [0]], [2, 2], [0, 0], [2, 2], **other_plan(case))
+    assert "requests 0 and 1 both write page 0 slot 0" in str(err.value)
+    with pytest.raises(pw.PagedWindowError) as err:  # new rows over another request's cached prefix
+        pw.PrefillPagedPlan.batch([[0, 1], [0]], [1, 2], [4, 0], [1, 2], **other_plan(case))
+    assert ("request 1 writes new rows into page 0 slot 0, which request 0 reads as cached prefix (slots 0..3)"
+            in str(err.value))
+
+
+def test_append_with_a_shared_read_only_prefix(case):
+    # Requests 0 and 1 read page 0 as cached prefix and each write into a page of its own.
+    plan = pw.PrefillPagedPlan.batch([[0, 1], [0, 2]], [2, 1], [4, 4], [2, 1], **other_plan(case))
+    k, v = torch.randn(3, HKV, D), torch.randn(3, HKV, D)
+    before = case.pool.clone()
+    pw.append_paged_kv(k, v, case.pool, case.layout, case.layer, plan)
+    expected = before.clone()
+    for row, (page, slot) in enumerate([(1, 0), (1, 1), (2, 0)]):
+        expected[page, case.layer, 0, slot] = k[row]
+        expected[page, case.layer, 1, slot] = v[row]
+    assert torch.equal(case.pool, expected) and not torch.equal(case.pool, before)
 
 
 def test_append_pool_geometry_refusal(case):
@@ -193,3 +227,186 @@ def test_append_pool_geometry_refusal(case):
     wrong = pw.PagedKvLayout(2, HKV, D, 8)
     expect_refusal(lambda: pw.append_paged_kv(case.k, case.v, case.pool, wrong, 0, case.plan),
                    "append_paged_kv: pool shape", case.pool)
+
+
+# -- autograd and inference mode -------------------------------------------------------------------------------
+
+def appended(case):
+    pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan)
+    return case
+
+
+def test_out_or_lse_that_requires_grad_is_refused(case):
+    appended(case)
+    out = torch.randn(case.q.shape, requires_grad=True)
+    expect_refusal(prefill_call(case, out_tensor=out),
+                   "batch_prefill_paged_window: out requires grad; the op writes it in place and is not "
+                   "differentiable", out, case.pool)
+    leaf = torch.randn(case.q.shape, requires_grad=True)
+    view = leaf[:]  # a non-leaf view that autograd tracks
+    expect_refusal(prefill_call(case, out_tensor=view), "out requires grad", view, leaf, case.pool)
+    out = torch.randn(case.q.shape)
+    lse = torch.randn(case.q.shape[:2], requires_grad=True)
+    expect_refusal(prefill_call(case, out_tensor=out, lse=lse), "batch_prefill_paged_window: lse requires grad",
+                   out, lse, case.pool)
+    expect_refusal(prefill_call(case, lse=lse), "lse requires grad", lse, case.pool)
+
+
+def test_pool_that_requires_grad_is_refused_by_append(case):
+    pool = case.pool.clone().requires_grad_()
+    expect_refusal(lambda: pw.append_paged_kv(case.k, case.v, pool, case.layout, case.layer, case.plan),
+                   "append_paged_kv: pool requires grad; the op writes it in place", pool)
+
+
+def test_inputs_that_require_grad_are_read_detached(case):
+    appended(case)
+    q = case.q.clone().requires_grad_()
+    want_out, want_lse = torch.empty_like(case.q), torch.empty(case.q.shape[:2])
+    want = prefill_call(case, out_tensor=want_out, lse=want_lse)()
+    got = prefill_call(case, q=q)()
+    assert torch.equal(got, want) and not got.requires_grad
+    out, lse = torch.randn(case.q.shape), torch.randn(case.q.shape[:2])
+    got = prefill_call(case, q=q, out_tensor=out, lse=lse)()
+    assert torch.equal(got, want) and torch.equal(lse, want_lse) and not out.requires_grad
+    # the pool is only read by the prefill, so one that requires grad is read detached too
+    pool = case.pool.clone().requires_grad_()
+    got = prefill_call(case, q=q, pool=pool)()
+    assert torch.equal(got, want) and not got.requires_grad and pool.grad is None
+
+
+def test_append_reads_k_and_v_detached(case):
+    plain = case.pool.clone()
+    pw.append_paged_kv(case.k, case.v, plain, case.layout, case.layer, case.plan)
+    assert not torch.equal(plain, case.pool)
+    k, v = case.k.clone().requires_grad_(), case.v.clone().requires_grad_()
+    pw.append_paged_kv(k, v, case.pool, case.layout, case.layer, case.plan)
+    assert torch.equal(case.pool, plain) and not case.pool.requires_grad
+    assert k.grad is None and v.grad is None
+
+
+def test_inference_tensors_are_written_only_inside_inference_mode(case):
+    appended(case)
+    want = prefill_call(case)()
+    with torch.inference_mode():
+        out = torch.randn(case.q.shape)
+        lse = torch.randn(case.q.shape[:2])
+        pool = case.pool.clone()
+    expect_refusal(prefill_call(case, out_tensor=out),
+                   "batch_prefill_paged_window: out was made under torch.inference_mode() and may only be written "
+                   "inside inference mode", out, case.pool)
+    expect_refusal(prefill_call(case, lse=lse), "lse was made under torch.inference_mode()", lse, case.pool)
+    k, v = torch.randn(case.k.shape), torch.randn(case.v.shape)
+    expect_refusal(lambda: pw.append_paged_kv(k, v, pool, case.layout, case.layer, case.plan),
+                   "append_paged_kv: pool was made under torch.inference_mode() and may only be written inside "
+                   "inference mode", pool)
+    with torch.inference_mode():
+        got = prefill_call(case, out_tensor=out, lse=lse)()
+        assert torch.equal(got, want) and torch.equal(out, want)
+        got = prefill_call(case)()  # everything fresh inside inference mode
+        assert torch.equal(got, want)
+        expected = case.pool.clone()
+        pw.append_paged_kv(k, v, expected, case.layout, case.layer, case.plan)
+        pw.append_paged_kv(k, v, pool, case.layout, case.layer, case.plan)
+        assert torch.equal(pool, expected) and not torch.equal(pool, case.pool)
+    # an inference-mode pool may be read by the prefill outside inference mode (it is not written)
+    assert torch.equal(prefill_call(case, pool=pool)(), prefill_call(case, pool=expected.clone())())
+
+
+# -- sm_scale is used as fp32 --------------------------------------------------------------------------------
+
+def test_the_scale_is_rounded_to_fp32():
+    gen = torch.Generator().manual_seed(13)
+    case = make_case(gen, seq_lens=[6, 3], start_positions=[3, 0], page_size=PS, num_qo_heads=HQ,
+                     num_kv_heads=HKV, head_dim=D)  # float64: a scale change of 1e-8 shows
+    appended(case)
+    rounded = float(np.float32(0.1))
+    assert rounded != 0.1 and check_sm_scale(0.1) == rounded
+    assert check_sm_scale(np.float32(0.1)) == rounded and check_sm_scale(0.5) == 0.5
+    got = prefill_call(case, sm_scale=0.1)()
+    assert torch.equal(got, prefill_call(case, sm_scale=rounded)())
+    torch.testing.assert_close(got, dense_attention(case, sm_scale=rounded, window_left=3), rtol=0, atol=1e-13)
+    unrounded = torch.empty_like(got)
+    geometry = pw.checked_paged_geometry("test", case.layout, case.pool, case.layer, D, HKV)
+    reference.batch_prefill_paged_window(case.q, case.pool, geometry, case.plan, sm_scale=0.1, window_left=3,
+                                         out=unrounded)
+    assert (unrounded - got).abs().max() > 1e-10, "the rounding is visible in float64"
+
+
+def test_scale_bounds_in_fp32():
+    flt_min = float(np.finfo(np.float32).tiny)
+    assert check_sm_scale(flt_min) == flt_min
+    top = np.float32(float(np.finfo(np.float32).max) / math.log2(math.e))
+    if float(top) * math.log2(math.e) > float(np.finfo(np.float32).max):
+        top = np.nextafter(top, np.float32(0))
+    assert check_sm_scale(float(top)) == float(top)
+    assert np.isfinite(top * np.float32(math.log2(math.e)))
+    below = float(np.nextafter(np.float32(flt_min), np.float32(0)))  # the largest fp32 subnormal
+    above = float(np.nextafter(top, np.float32(np.inf)))
+    for bad, why in ((below, "is below fp32's smallest normal number"), (above, "is too large for fp32")):
+        with pytest.raises(pw.PagedWindowError) as err:
+            check_sm_scale(bad)
+        assert f"sm_scale = {bad!r} {why}" in str(err.value)
+
+
+# -- plans with no new rows ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def idle_case():
+    gen = torch.Generator().manual_seed(17)
+    return make_case(gen, seq_lens=[0, 0, 0], start_positions=[5, 3, 8], page_size=PS, num_qo_heads=HQ,
+                     num_kv_heads=HKV, head_dim=D, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_zero_token_prefill_returns_at_once(idle_case, backend):
+    c = idle_case
+    assert c.plan.total_tokens == 0 and c.plan.num_tiles == 0 and c.q.shape == (0, HQ, D)
+    pool = c.pool.clone()
+    got = prefill_call(c, backend=backend)()
+    assert got.shape == (0, HQ, D) and got.dtype == torch.float32 and torch.equal(c.pool, pool)
+    out, lse = torch.randn(4, HQ, D), torch.randn(4, HQ)
+    out_before, lse_before = out.clone(), lse.clone()
+    q = torch.randn(4, HQ, D)  # extra rows are allowed and ignored
+    got = prefill_call(c, backend=backend, q=q, out_tensor=out, lse=lse)()
+    assert got.shape == (0, HQ, D) and got.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
+    assert torch.equal(out, out_before) and torch.equal(lse, lse_before) and torch.equal(c.pool, pool)
+    # the checks still run first
+    expect_refusal(prefill_call(c, backend=backend, sm_scale=1e39, out_tensor=out), "sm_scale = 1e+39", out,
+                   c.pool)
+    expect_refusal(prefill_call(c, backend=backend, q=torch.randn(0, HQ + 1, D), out_tensor=out),
+                   "q shape (0, 5, 8) must be [rows, 4, 8]", out, c.pool)
+    expect_refusal(prefill_call(c, backend=backend, out_tensor=torch.randn(4, HQ, D, requires_grad=True)),
+                   "out requires grad", out, c.pool)
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_zero_token_append_writes_nothing(idle_case, backend):
+    c = idle_case
+    pool = c.pool.clone()
+    assert c.k.shape == (0, HKV, D)
+    assert pw.append_paged_kv(c.k, c.v, c.pool, c.layout, c.layer, c.plan, backend=backend) is None
+    assert torch.equal(c.pool, pool)
+    k, v = torch.randn(3, HKV, D), torch.randn(3, HKV, D)
+    pw.append_paged_kv(k, v, c.pool, c.layout, c.layer, c.plan, backend=backend)
+    assert torch.equal(c.pool, pool)
+    expect_refusal(lambda: pw.append_paged_kv(k.double(), v, c.pool, c.layout, c.layer, c.plan, backend=backend),
+                   "k dtype torch.float64 must be torch.float32", c.pool)
+    grad_pool = c.pool.clone().requires_grad_()
+    expect_refusal(lambda: pw.append_paged_kv(k, v, grad_pool, c.layout, c.layer, c.plan, backend=backend),
+                   "pool requires grad", grad_pool)
+
+
+def test_zero_token_plan_through_csr_and_preallocated(idle_case):
+    c = idle_case
+    csr = pw.PrefillPagedPlan.from_csr([0, 0, 0], [0, 2, 4], [0, 1, 2, 3], [1, 4], **other_plan(c))
+    prealloc = pw.PrefillPagedPlan.preallocated(max_total_tokens=4, max_total_pages=8, max_batch=4, max_tiles=4)
+    prealloc.update_csr([0, 0, 0], [0, 2, 4], [0, 1, 2, 3], [1, 4], **other_plan(c))
+    for plan in (csr, prealloc):
+        assert plan.total_tokens == 0 and plan.num_tiles == 0 and plan.kv_lens == (5, 8)
+        out = torch.randn(2, HQ, D)
+        before = out.clone()
+        got = prefill_call(c, plan=plan, out_tensor=out)()
+        assert got.shape == (0, HQ, D) and torch.equal(out, before)
+        pool = c.pool.clone()
+        pw.append_paged_kv(torch.randn(1, HKV, D), torch.randn(1, HKV, D), c.pool, c.layout, c.layer, plan)
+        assert torch.equal(c.pool, pool)

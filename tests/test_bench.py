@@ -1,53 +1,225 @@
 """The benchmark's counting and reporting (CPU); the timing itself runs on a GPU (`pagedwindow bench`)."""
 
 import json
+import time
 
 import pytest
 import torch
 
+import pagedwindow as pw
 from pagedwindow import bench
+from pagedwindow.viz import bench_results
+
+HAS_FROM_CSR = hasattr(pw.PrefillPagedPlan, "from_csr")
+needs_from_csr = pytest.mark.skipif(not HAS_FROM_CSR, reason="PrefillPagedPlan.from_csr has not landed yet")
 
 
+def dense_visible_pairs(w: bench.Workload) -> int:
+    """Visible pairs from a dense mask per distinct (start, seq) request, times how often it occurs."""
+    total = 0
+    for start, seq in set(zip(w.start_positions, w.seq_lens)):
+        q = torch.arange(start, start + seq)[:, None]  # [seq, 1]
+        k = torch.arange(start + seq)[None, :]  # [1, kv_len]
+        mask = k <= q
+        if w.window_left >= 0:
+            mask &= q - k <= w.window_left
+        total += int(mask.sum()) * list(zip(w.start_positions, w.seq_lens)).count((start, seq))
+    return total
+
+
+# -- counting ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, pairs", [("prefill_1x8192", 7_864_832), ("prefill_8x2048", 12_587_008),
-                                         ("chunk_2048_on_6144", 2_097_152), ("decode_64x4096", 65_536)])
+                                         ("chunk_2048_on_6144", 2_097_152), ("decode_64x4096", 65_536),
+                                         ("decode_256x2000_p32", 256 * 1024), ("prompts_32x128", 32 * 128 * 129 // 2),
+                                         ("chunk_512_on_30000", 512 * 1024)])
 def test_visible_pairs_of_the_workloads(name, pairs):
     w = bench.WORKLOADS[name]
     assert w.visible_pairs() == pairs
     assert w.useful_flops() == 4 * 256 * 16 * pairs
 
 
-def test_visible_pairs_match_a_dense_mask():
-    w = bench.Workload("t", (7, 5), (3, 0), window_left=2)
-    total = 0
-    for start, seq in zip(w.start_positions, w.seq_lens):
-        q = torch.arange(start, start + seq)[:, None]
-        k = torch.arange(start + seq)[None, :]
-        total += int(((k <= q) & (q - k <= 2)).sum())
-    assert w.visible_pairs() == total
+@pytest.mark.parametrize("name", ["decode_256x2000_p32", "prompts_32x128", "chunk_512_on_30000",
+                                  "chunk_2048_on_6144", "decode_64x4096"])
+def test_visible_pairs_of_the_workloads_match_a_dense_mask(name):
+    assert bench.WORKLOADS[name].visible_pairs() == dense_visible_pairs(bench.WORKLOADS[name])
 
 
-def test_table_and_plots_from_a_result(tmp_path):
-    result = {"gpu": "NVIDIA H200", "date": "2026-12-02", "peak_bf16_tflops": 800.0,
-              "allocations_per_10_calls": {"prefill_1x8192": 0},
-              "records": [
-                  {"system": "pagedwindow", "workload": "prefill_1x8192", "ms": 0.4, "useful_tflops": 322.2,
-                   "max_abs_err": 0.0156, "status": "ok"},
-                  {"system": "flashinfer_fa3", "workload": "prefill_1x8192", "ms": 0.5, "useful_tflops": 257.8,
-                   "max_abs_err": 0.0156, "status": "ok"},
-                  {"system": "flex", "workload": "prefill_1x8192", "ms": None, "useful_tflops": None,
-                   "max_abs_err": None, "status": "missing: No module named 'x'"}]}
-    table = bench.markdown_table(result)
-    assert "| prefill_1x8192 | flashinfer_fa3 | 0.5000 | 257.8 | 32.2 | 1.25× |" in table
-    assert "| prefill_1x8192 | flex | — | — | — | — | missing: No module named 'x' |" in table
+@pytest.mark.parametrize("window_left", [-1, 0, 1, 2, 7, 40])
+def test_visible_pairs_match_a_dense_mask(window_left):
+    gen = torch.Generator().manual_seed(window_left + 1)
+    seqs = torch.randint(0, 30, (6,), generator=gen).tolist()
+    starts = torch.randint(0, 50, (6,), generator=gen).tolist()
+    w = bench.Workload("t", tuple(seqs) + (7, 5), tuple(starts) + (3, 0), window_left=window_left)
+    assert w.visible_pairs() == dense_visible_pairs(w)
+
+
+def test_the_serving_workloads_shapes():
+    decode = bench.WORKLOADS["decode_256x2000_p32"]
+    assert decode.page_size == 32 and decode.kv_lens == (2000,) * 256 and decode.seq_lens == (1,) * 256
+    assert bench.WORKLOADS["prompts_32x128"].kv_lens == (128,) * 32
+    assert bench.WORKLOADS["chunk_512_on_30000"].kv_lens == (30512,)
+    assert {w.page_size for n, w in bench.WORKLOADS.items() if n != "decode_256x2000_p32"} == {16}
+
+
+@pytest.mark.parametrize("name", ["decode_256x2000_p32", "prefill_8x2048", "chunk_512_on_30000"])
+def test_paged_csr_encodes_each_requests_kv(name):
+    w = bench.WORKLOADS[name]
+    order = torch.randperm(10_000, generator=torch.Generator().manual_seed(0)).tolist()
+    csr = bench.paged_csr(w, order)
+    assert all(t.dtype == torch.int32 and t.device.type == "cpu" for t in csr)
+    pages = (csr.kv_indptr[1:] - csr.kv_indptr[:-1]).tolist()
+    kv_lens = [(n - 1) * w.page_size + int(last) for n, last in zip(pages, csr.last_page_len)]
+    assert tuple(kv_lens) == w.kv_lens and all(1 <= int(last) <= w.page_size for last in csr.last_page_len)
+    seq_lens = (csr.qo_indptr[1:] - csr.qo_indptr[:-1]).tolist()
+    assert tuple(kv - n for kv, n in zip(kv_lens, seq_lens)) == w.start_positions  # start = kv_len - seq_len
+    assert csr.kv_indices.tolist() == order[: int(csr.kv_indptr[-1])]
+
+
+@needs_from_csr
+def test_make_inputs_is_seeded_and_plans_from_the_csr():
+    w = bench.Workload("small", (5, 1, 40), (0, 20, 3), window_left=7, page_size=16)
+    one, two = (bench.make_inputs(w, torch.Generator().manual_seed(0), "cpu") for _ in range(2))
+    assert torch.equal(one.pool, two.pool) and torch.equal(one.q, two.q) and one.pool.isfinite().all()
+    assert torch.equal(one.plan.qo_indptr, one.csr.qo_indptr) and one.plan.kv_lens == w.kv_lens
+    assert one.q.shape == (46, bench.HQ, bench.HEAD_DIM) and one.pool.shape[3] == 16
+    k, v = bench.dense_kv(one, 2)
+    assert k.shape == v.shape == (43, bench.HKV, bench.HEAD_DIM)
+    forced = bench.make_inputs(w, torch.Generator().manual_seed(0), "cpu", cta_tile_q=16)
+    assert forced.plan.cta_tile_q == 16 and forced.cta_tile_q == 16
+
+
+@needs_from_csr
+def test_plan_times_of_pagedwindow_on_the_host():
+    w = bench.Workload("small", (5, 1), (0, 20), page_size=16)
+    times = bench.plan_times("pagedwindow", w, bench.make_inputs(w, torch.Generator().manual_seed(0), "cpu"), 3)
+    assert times["plan_ms"] > 0 and times["update_plan_ms"] > 0 and times["plan_inputs"]["kv_indices"] == "cpu"
+
+
+def test_peers_without_a_plan_step():
+    times = bench.plan_times("sdpa", bench.WORKLOADS["prompts_32x128"], inp=None, reps=1)
+    assert times["plan_ms"] is None and times["update_plan_ms"] is None and "not applicable" in times["plan_status"]
+    record = bench.new_record("flex", "prompts_32x128")
+    assert all(record[k] is None for k in ("e2e_ms", "ms", "plan_ms", "update_plan_ms")) and record["status"] == "ok"
+
+
+# -- timing helpers (host side) ------------------------------------------------------------------------------------
+def test_e2e_and_host_times_are_per_call_wall_clock():
+    counts, syncs = [0, 0], []
+
+    def call(i):
+        def run():
+            counts[i] += 1
+            time.sleep(0.002)
+        return run
+
+    ms = bench.e2e_ms([call(0), call(1)], iters=4, loops=3, synchronize=lambda: syncs.append(1))
+    assert counts == [1 + 3 * 2, 1 + 3 * 2]  # a warm-up round, then 3 loops of 4 calls in rotation
+    assert len(syncs) == 2 * 3 and 2.0 <= ms < 50
+    assert 2.0 <= bench.host_ms(call(0), 3, synchronize=lambda: None) < 50 and counts[0] == 7 + 4
+
+
+# -- names ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, slug", [
+    ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100-80gb-hbm3"), ("NVIDIA H200 NVL", "h200-nvl"),
+    ("NVIDIA GeForce RTX 4090", "geforce-rtx-4090"), ("AMD Instinct MI300X", "instinct-mi300x"), ("NVIDIA", "nvidia"),
+    ("Tesla V100-SXM2-16GB", "tesla-v100-sxm2-16gb"), ("  ", "gpu")])
+def test_gpu_slug(name, slug):
+    assert bench.gpu_slug(name) == slug
+
+
+def test_result_names_are_found_by_the_results_reader(tmp_path):
+    assert bench.result_stem("NVIDIA H200", "2026-12-02") == "h200-2026-12-02"
+    assert bench.result_stem("NVIDIA H100 80GB HBM3", "2026-12-03", "v5") == "h100-80gb-hbm3-2026-12-03-v5"
+    for stem in ("h200-2026-12-02", "h100-80gb-hbm3-2026-12-03-v5"):
+        (tmp_path / f"{stem}.json").write_text(json.dumps(RESULT))
+    newest = bench_results.newest_results(tmp_path)
+    assert newest.name == "h100-80gb-hbm3-2026-12-03-v5.json"
+    assert bench_results.load_results(newest).date == "2026-12-02"  # the file's own date wins over its name
+
+
+# -- reporting -----------------------------------------------------------------------------------------------------
+def _record(system, e2e, ms, plan=None, update=None, **extra):
+    return {"system": system, "workload": "prefill_1x8192", "e2e_ms": e2e, "ms": ms, "plan_ms": plan,
+            "update_plan_ms": update, "useful_tflops": None if ms is None else 0.1288 / ms,
+            "max_abs_err": None if ms is None else 0.0156, "err_bound": None if ms is None else 0.05,
+            "status": "ok", **extra}
+
+
+RESULT = {"gpu": "NVIDIA H200", "date": "2026-12-02", "peak_bf16_tflops": 800.0, "tile_override": None,
+          "allocations_per_10_calls": {"prefill_1x8192": 0},
+          "records": [
+              _record("pagedwindow", 0.45, 0.4, 0.05, 0.01, cta_tile_q=128,
+                      plan_inputs=dict.fromkeys(bench.Csr._fields, "cpu"), plan_status="from_csr"),
+              _record("flashinfer_fa2", 0.7, 0.6, 0.2, plan_ms_host_indptr=0.1,
+                      plan_inputs=dict.fromkeys(bench.Csr._fields, "cuda"), plan_status="wrapper.plan"),
+              _record("flashinfer_fa3", 0.6, 0.5, 0.3, plan_ms_host_indptr=0.15),
+              _record("sdpa", 4.5, 4.0, plan_inputs=None, plan_status="not applicable"),
+              {**_record("flex", None, None), "status": "missing: No module named 'x'"}]}
+
+
+def test_ratios_to_flashinfers_best():
+    ratios = bench_results.flashinfer_ratios(RESULT["records"])
+    e2e, kernel = ratios["prefill_1x8192", "pagedwindow"]
+    assert e2e == pytest.approx(0.45 / 0.6) and kernel == pytest.approx(0.4 / 0.5)  # best: fa3 on both
+    mixed = [_record("flashinfer_fa2", 0.5, 0.6), _record("flashinfer_fa3", 0.7, 0.5), _record("pagedwindow", 1, 1)]
+    assert bench_results.flashinfer_ratios(mixed)["prefill_1x8192", "pagedwindow"] == (pytest.approx(2.0),
+                                                                                        pytest.approx(2.0))
+    assert bench_results.flashinfer_ratios(RESULT["records"])["prefill_1x8192", "flex"] == (None, None)
+    alone = bench_results.flashinfer_ratios([_record("pagedwindow", 1, 1), _record("flashinfer_fa3", None, None)])
+    assert alone["prefill_1x8192", "pagedwindow"] == (None, None)
+
+
+def test_table_shows_the_three_times_and_the_ratios():
+    table = bench.markdown_table(RESULT)
+    assert "| e2e ms | kernel ms | plan ms | update ms |" in table
+    assert "| prefill_1x8192 | pagedwindow | 0.4500 | 0.4000 | 0.0500 | 0.0100 | 0.3 | 0.0 | 0.75× | 0.80× |" in table
+    assert "| prefill_1x8192 | flashinfer_fa3 | 0.6000 | 0.5000 | 0.3000 | — |" in table
+    assert "| prefill_1x8192 | sdpa | 4.5000 | 4.0000 | — | — |" in table and "| 7.50× | 8.00× |" in table
+    assert "| prefill_1x8192 | flex | — | — | — | — | — | — | — | — | missing: No module named 'x' |" in table
+    assert "prefill_1x8192 fa2 0.1000, prefill_1x8192 fa3 0.1500" in table
+    assert "plan tile (cta_tile_q): prefill_1x8192 128" in table and "the plan's own choice" in table
     assert "prefill_1x8192 0" in table
-    path = tmp_path / "h200-2026-12-02.json"
-    path.write_text(json.dumps(result))
+    assert "forced to 64" in bench.markdown_table({**RESULT, "tile_override": 64})
+
+
+def test_table_of_an_older_file_with_kernel_time_only():
+    old = {"gpu": "NVIDIA H200", "peak_bf16_tflops": 800.0, "records": [
+        {"system": "pagedwindow", "workload": "w", "ms": 0.4, "useful_tflops": 322.2, "max_abs_err": 0.0156}]}
+    assert "| w | pagedwindow | — | 0.4000 | — | — | 322.2 | 40.3 | — | — | 1.56e-02 |" in bench.markdown_table(old)
+
+
+def test_results_round_trip_and_plots(tmp_path):
+    path = tmp_path / f"{bench.result_stem(RESULT['gpu'], RESULT['date'])}.json"
+    path.write_text(json.dumps(RESULT, indent=1))
+    res = bench_results.load_results(path)
+    assert res.records == RESULT["records"] and res.systems[:3] == ["pagedwindow", "flashinfer_fa2", "flashinfer_fa3"]
+    rows = {(r["workload"], r["system"]): r for r in bench_results.summary_rows(res)}
+    ours = rows["prefill_1x8192", "pagedwindow"]
+    assert (ours["e2e_ms"], ours["ms"], ours["plan_ms"], ours["update_plan_ms"]) == (0.45, 0.4, 0.05, 0.01)
+    assert ours["e2e_vs_flashinfer_best"] == pytest.approx(0.75) and ours["ms_vs_flashinfer_best"] == pytest.approx(0.8)
+    assert rows["prefill_1x8192", "flashinfer_fa3"]["pagedwindow_speedup"] == pytest.approx(1.25)
+    assert bench_results.bench_gate(res, max_err_limit=2e-2) == []
     bench.write_plots(path)
     assert (tmp_path / "h200-2026-12-02-throughput.png").stat().st_size > 0
     assert (tmp_path / "h200-2026-12-02-speedup.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("field", ["e2e_ms", "plan_ms", "update_plan_ms", "plan_ms_host_indptr"])
+def test_results_reader_checks_the_new_times(tmp_path, field):
+    data = json.loads(json.dumps(RESULT))
+    data["records"][0][field] = "fast"
+    path = tmp_path / "h200-2026-12-02.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=rf"records\[0\]: {field}"):
+        bench_results.load_results(path)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 def test_bench_refuses_without_a_gpu(capsys):
     assert bench.run_bench(out="unused") == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_bench_refuses_unknown_names(capsys):
+    assert bench.run_bench(out="unused", workloads=["prefill_1x8192", "nope"]) == 2
+    assert "unknown workload or system ['nope']" in capsys.readouterr().out

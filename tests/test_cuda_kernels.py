@@ -67,7 +67,7 @@ def run_case(geometry, window_left, seed):
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"ps{g[0]}-seq{g[1]}-h{g[3][0]}x{g[3][1]}-t{g[4]}")
 @pytest.mark.parametrize("window_left", WINDOWS)
 def test_prefill_kernel_against_float64(geometry, window_left):
-    case, out, lse = run_case(geometry, window_left, seed=hash((str(geometry), window_left)) % 2**31)
+    case, out, lse = run_case(geometry, window_left, seed=GEOMETRIES.index(geometry) * 100 + WINDOWS.index(window_left))
     rows = case.plan.total_tokens
     exact = dense_attention(case, sm_scale=0.0625, window_left=window_left).cuda()  # [rows, hq, d] fp64
     plain = plain_bf16_attention(case, sm_scale=0.0625, window_left=window_left)
@@ -115,13 +115,30 @@ def test_auto_routes_bf16_to_the_kernel_and_matches_reference():
     assert torch.equal(auto, out[: case.plan.total_tokens])
 
 
-def test_cuda_graph_replay_after_plan_update_equals_eager():
-    """Capture append + prefill once on a preallocated plan; after each plan.update() a replay equals eager."""
-    hq, hkv, ps, cap_tokens, num_pages = 16, 8, 16, 512, 160
-    plan = pw.PrefillPagedPlan.preallocated(max_total_tokens=cap_tokens, max_total_pages=128, max_batch=4,
-                                            max_tiles=64, device="cuda")
-    gen = torch.Generator().manual_seed(0)
-    layout = pw.PagedKvLayout(2, hkv, D, ps)
+# One graph, replayed after updates of every shape class: (seq_lens, start_positions) per update.
+UPDATE_SEQUENCE = [
+    ("decode", [1] * 8, [300, 1100, 17, 640, 5, 999, 64, 250]),
+    ("chunk", [100], [1000]),
+    ("long prefill", [500], [0]),
+    ("ragged", [300, 1, 90], [700, 0, 5]),
+    ("no new rows in some requests", [0, 5, 0], [50, 7, 3]),
+    ("decode again", [1, 1], [4, 2000]),
+    ("no new rows at all", [0, 0], [33, 16]),
+    ("ragged again", [100, 37], [0, 250]),
+]
+
+
+@pytest.mark.parametrize("tile", [None, 16, 64, 128])
+def test_cuda_graph_replay_across_every_update_equals_eager(tile):
+    """Capture append + prefill once on a preallocated plan (its tile fixed at creation: the policy's pick, or
+    explicit); replay after each update of every shape class equals eager, pool included, and leaves rows past
+    total_tokens untouched."""
+    hq, hkv, ps, cap_tokens, num_pages = 16, 8, 16, 512, 400
+    plan = pw.PrefillPagedPlan.preallocated(max_total_tokens=cap_tokens, max_total_pages=num_pages, max_batch=8,
+                                            max_tiles=160, cta_tile_q=tile, device="cuda")
+    fixed = plan.cta_tile_q
+    gen = torch.Generator().manual_seed(7 if tile is None else tile)
+    layout = pw.PagedKvLayout(1, hkv, D, ps)
     pool = layout.allocate(num_pages, torch.bfloat16, "cuda")
     q = torch.zeros(cap_tokens, hq, D, dtype=torch.bfloat16, device="cuda")
     k = torch.zeros(cap_tokens, hkv, D, dtype=torch.bfloat16, device="cuda")
@@ -129,24 +146,25 @@ def test_cuda_graph_replay_after_plan_update_equals_eager():
     out = torch.empty(cap_tokens, hq, D, dtype=torch.bfloat16, device="cuda")
 
     def step():
-        pw.append_paged_kv(k, v, pool, layout, 1, plan, backend="cuda")
-        pw.batch_prefill_paged_window(q, pool, layout, 1, plan, sm_scale=1.0, window_left=1023, out=out,
+        pw.append_paged_kv(k, v, pool, layout, 0, plan, backend="cuda")
+        pw.batch_prefill_paged_window(q, pool, layout, 0, plan, sm_scale=1.0, window_left=1023, out=out,
                                       backend="cuda")
 
     def load(case):
-        """Copy a case into the captured buffers and re-plan in place."""
+        """Copy a case into the captured buffers and re-plan in place from CSR tensors."""
         p = case.plan
-        plan.update(list(p.pages), p.last_page_len.tolist(), list(p.start_positions), list(p.seq_lens),
-                    num_qo_heads=hq, num_kv_heads=hkv, head_dim=D, page_size=ps, cta_tile_q=64)
+        plan.update_csr(p.qo_indptr, p.page_indptr, p.page_indices, p.last_page_len, num_qo_heads=hq,
+                        num_kv_heads=hkv, head_dim=D, page_size=ps)
         pool.copy_(case.pool)
         n = p.total_tokens
         q[:n], k[:n], v[:n] = case.q, case.k, case.v
         out.fill_(float("nan"))
 
-    cases = [make_case(gen, seq_lens=seqs, start_positions=starts, page_size=ps, num_qo_heads=hq,
-                       num_kv_heads=hkv, head_dim=D, dtype=torch.bfloat16, device="cuda", num_pages=num_pages)
-             for seqs, starts in (([100, 37], [0, 250]), ([300, 1, 90], [700, 0, 5]), ([5], [1100]))]
-    load(cases[0])
+    cases = [(name, make_case(gen, seq_lens=seqs, start_positions=starts, page_size=ps, num_qo_heads=hq,
+                              num_kv_heads=hkv, head_dim=D, dtype=torch.bfloat16, device="cuda",
+                              num_pages=num_pages, num_layers=1, layer=0))
+             for name, seqs, starts in UPDATE_SEQUENCE]
+    load(cases[0][1])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -155,18 +173,51 @@ def test_cuda_graph_replay_after_plan_update_equals_eager():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    for case in cases:
+    for name, case in cases:
         n = case.plan.total_tokens
         load(case)
+        assert plan.cta_tile_q == fixed
         graph.replay()
         torch.cuda.synchronize()
         replayed, replayed_pool = out.clone(), pool.clone()
         load(case)
         step()
         torch.cuda.synchronize()
-        assert torch.equal(replayed[:n], out[:n]), f"graph replay differs from eager for {case.plan!r}"
-        assert torch.equal(replayed_pool, pool)
-        assert torch.isnan(replayed[n:]).all(), "graph replay wrote rows past total_tokens"
+        assert torch.equal(replayed[:n], out[:n]), f"{name}: graph replay differs from eager for {plan!r}"
+        assert not torch.isnan(out[:n]).any(), f"{name}: eager left rows unwritten"
+        assert torch.equal(replayed_pool, pool), f"{name}: the replayed pool write differs from eager"
+        assert torch.isnan(replayed[n:]).all(), f"{name}: graph replay wrote rows past total_tokens"
+        exact = dense_attention(case, sm_scale=1.0, window_left=1023).cuda()
+        if n:
+            err = (out[:n].double() - exact).abs().max().item()
+            assert err <= 0.05 * exact.abs().max().item(), f"{name}: eager is wrong ({err:.3e})"
+    other = next(t for t in (16, 64, 128) if t != fixed)
+    with pytest.raises(pw.PagedWindowError, match="fixed tile"):
+        p = cases[1][1].plan
+        plan.update_csr(p.qo_indptr, p.page_indptr, p.page_indices, p.last_page_len, num_qo_heads=hq,
+                        num_kv_heads=hkv, head_dim=D, page_size=ps, cta_tile_q=other)
+
+
+def test_update_does_not_wait_for_the_gpu():
+    """An update while a long kernel runs returns without synchronising (pinned staging, async copy), and the
+    launch that follows on the stream reads the new plan."""
+    case, _, _ = run_case(GEOMETRIES[1], 13, seed=11)
+    plan = case.plan
+    p = plan.to_dict()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(5e8))  # ~0.3 s of GPU work queued ahead
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    import time
+
+    t0 = time.perf_counter()
+    plan.update(p["page_indices"], p["last_page_lens"], p["start_positions"], p["seq_lens"],
+                num_qo_heads=plan.num_qo_heads, num_kv_heads=plan.num_kv_heads, head_dim=D,
+                page_size=plan.page_size)
+    host = time.perf_counter() - t0
+    assert not start.query(), "the GPU finished its queued work before the update returned"
+    assert host < 0.05, f"update took {host * 1e3:.1f} ms of host time while the GPU was busy"
+    torch.cuda.synchronize()
 
 
 def test_torch_compile_fullgraph():
@@ -189,14 +240,14 @@ def test_opcheck_both_ops():
     plan = case.plan
     buffer = plan.device_buffer("cuda")
     geo = pw.checked_paged_geometry("t", case.layout, case.pool, case.layer, D, plan.num_kv_heads)
-    sizes = list(plan.capacity.segment_sizes())
+    offsets = list(plan.capacity.segment_offsets())
     torch.library.opcheck(torch.ops.pagedwindow.prefill_hd256.default,
                           (case.q, case.pool, buffer, out, lse, geo.k_offset, geo.v_offset, geo.page_stride,
-                           geo.page_size, plan.num_qo_heads, plan.num_kv_heads, sizes, plan.capacity.max_tiles,
+                           geo.page_size, plan.num_qo_heads, plan.num_kv_heads, offsets, plan.capacity.max_tiles,
                            plan.cta_tile_q, 0.0625, 13))
     torch.library.opcheck(torch.ops.pagedwindow.append_paged_kv.default,
                           (case.k, case.v, case.pool, buffer, geo.k_offset, geo.v_offset, geo.page_stride,
-                           geo.page_size, plan.num_kv_heads, D, sizes, plan.capacity.max_batch,
+                           geo.page_size, plan.num_kv_heads, D, offsets, plan.capacity.max_batch,
                            plan.capacity.max_total_tokens))
 
 

@@ -21,7 +21,7 @@ def _prefill_args(make):
     plan = make((64,), torch.int32)
     out = make((40, 16, 256), torch.bfloat16)
     lse = make((40, 16), torch.float32)
-    return (q, pool, plan, out, lse, 0, 65536, 262144, 16, 16, 8, [9, 3, 2, 3, 20, 20, 3], 20, 64, 1.0, 1023)
+    return (q, pool, plan, out, lse, 0, 65536, 262144, 16, 16, 8, [0, 3, 6, 8, 11, 31, 51], 20, 64, 1.0, 1023)
 
 
 def test_fake_prefill_runs_under_fake_tensors():
@@ -35,9 +35,9 @@ def test_export_traces_both_ops_without_running_them():
     class Step(torch.nn.Module):
         def forward(self, q, pool, plan, out, lse, k, v):
             torch.ops.pagedwindow.append_paged_kv(k, v, pool, plan, 0, 65536, 262144, 16, 8, 256,
-                                                  [9, 3, 2, 3, 20, 20, 3], 2, 40)
+                                                  [0, 3, 6, 8, 11, 31, 51], 2, 40)
             torch.ops.pagedwindow.prefill_hd256(q, pool, plan, out, lse, 0, 65536, 262144, 16, 16, 8,
-                                                [9, 3, 2, 3, 20, 20, 3], 20, 64, 1.0, 1023)
+                                                [0, 3, 6, 8, 11, 31, 51], 20, 64, 1.0, 1023)
             return out
 
     args = _prefill_args(lambda shape, dtype: torch.zeros(shape, dtype=dtype))[:5]

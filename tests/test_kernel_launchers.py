@@ -1,6 +1,7 @@
 """The C launchers' own argument checks, exercised on the CPU: the library is built for sm_80 and loaded with
 ctypes; every refusal returns its negative code before any CUDA call, so no GPU is needed."""
 
+import ctypes
 import math
 
 import pytest
@@ -15,17 +16,21 @@ ALIGNED = 1 << 20  # a fake device address, 16-byte aligned (never dereferenced:
 def lib(tmp_path_factory):
     import os
 
+    before = os.environ.get("PAGEDWINDOW_CACHE_DIR")
     os.environ["PAGEDWINDOW_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
     try:
-        return ops.load(build_shared_library("sm_80"))  # the same signatures the custom ops use
+        return ops.load(build_shared_library("sm_80"))  # checks both parameter blocks' sizes against the library
     finally:
-        del os.environ["PAGEDWINDOW_CACHE_DIR"]
+        if before is None:
+            del os.environ["PAGEDWINDOW_CACHE_DIR"]
+        else:
+            os.environ["PAGEDWINDOW_CACHE_DIR"] = before
 
 
 GOOD_PREFILL = dict(q=ALIGNED, out=ALIGNED, lse=None, pool=ALIGNED, k_offset=0, v_offset=65536, page_stride=262144,
                     page_size=16, num_qo_heads=16, num_kv_heads=8, page_indices=ALIGNED, page_indptr=ALIGNED,
                     last_page_len=ALIGNED, qo_indptr=ALIGNED, request_indices=ALIGNED, qo_tile_indices=ALIGNED,
-                    plan_scalars=ALIGNED, grid_tiles=4, cta_tile_q=64, sm_scale=1.0, window_left=1023, stream=None)
+                    plan_scalars=ALIGNED, grid_tiles=4, cta_tile_q=64, sm_scale=1.0, window_left=1023)
 
 
 @pytest.mark.parametrize("entry", ["pw_prefill_hd256_bf16", "pw_prefill_hd256_bf16_sm90"])
@@ -45,8 +50,8 @@ GOOD_PREFILL = dict(q=ALIGNED, out=ALIGNED, lse=None, pool=ALIGNED, k_offset=0, 
     (dict(num_kv_heads=65536, num_qo_heads=65536), -11, "65535"),
 ])
 def test_prefill_launchers_refuse_before_any_cuda_call(lib, entry, change, code, text):
-    args = {**GOOD_PREFILL, **change}
-    assert getattr(lib, entry)(*args.values()) == code
+    block = ops.PrefillLaunch(**{**GOOD_PREFILL, **change})
+    assert getattr(lib, entry)(ctypes.byref(block), None) == code
     error_string = lib.pw_prefill_hd256_error_string if entry.endswith("bf16") else \
         lib.pw_prefill_hd256_sm90_error_string
     assert text in error_string(code).decode()
@@ -62,7 +67,7 @@ def test_status_strings_cover_every_code(lib):
 GOOD_APPEND = dict(k=ALIGNED, v=ALIGNED, pool=ALIGNED, k_offset=0, v_offset=65536, page_stride=262144, page_size=16,
                    num_kv_heads=8, head_dim=256, elem_bytes=2, page_indices=ALIGNED, page_indptr=ALIGNED,
                    last_page_len=ALIGNED, qo_indptr=ALIGNED, plan_scalars=ALIGNED, batch_capacity=2,
-                   token_capacity=40, stream=None)
+                   token_capacity=40)
 
 
 @pytest.mark.parametrize("change, code", [
@@ -70,6 +75,19 @@ GOOD_APPEND = dict(k=ALIGNED, v=ALIGNED, pool=ALIGNED, k_offset=0, v_offset=6553
     (dict(k_offset=-2), -9),
 ])
 def test_append_launcher_refuses_before_any_cuda_call(lib, change, code):
-    args = {**GOOD_APPEND, **change}
-    assert lib.pw_append_paged_kv(*args.values()) == code
+    block = ops.AppendLaunch(**{**GOOD_APPEND, **change})
+    assert lib.pw_append_paged_kv(ctypes.byref(block), None) == code
     assert lib.pw_append_paged_kv_error_string(code).decode() != "unknown pagedwindow status"
+
+
+def test_null_parameter_blocks_are_refused(lib):
+    assert lib.pw_prefill_hd256_bf16(None, None) == -1
+    assert lib.pw_prefill_hd256_bf16_sm90(None, None) == -1
+    assert lib.pw_append_paged_kv(None, None) == -1
+
+
+def test_parameter_block_mirrors_match_the_library(lib):
+    assert lib.pw_prefill_launch_size() == ctypes.sizeof(ops.PrefillLaunch)
+    assert lib.pw_append_launch_size() == ctypes.sizeof(ops.AppendLaunch)
+    assert {f for f, _ in ops.PrefillLaunch._fields_} == set(GOOD_PREFILL)  # the table sets every field
+    assert {f for f, _ in ops.AppendLaunch._fields_} == set(GOOD_APPEND)

@@ -2,6 +2,7 @@
 
 import itertools
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -22,6 +23,11 @@ CONFIGS = [
 WINDOWS = [-1, 0, 1, 7, 200]
 
 
+def fp32(scale: float) -> float:
+    """The scale every backend computes with: ``sm_scale`` rounded to fp32 (``semantics.check_sm_scale``)."""
+    return float(np.float32(scale))
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"ps{c[0]}-seq{c[1]}-start{c[2]}-h{c[3][0]}x{c[3][1]}")
 @pytest.mark.parametrize("window_left", WINDOWS)
 def test_reference_matches_dense_float64(config, window_left):
@@ -34,7 +40,7 @@ def test_reference_matches_dense_float64(config, window_left):
     lse = torch.full((case.plan.total_tokens + 2, hq), float("nan"), dtype=torch.float32)
     got = pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.37,
                                         window_left=window_left, out=out, lse=lse, backend="reference")
-    want = dense_attention(case, sm_scale=0.37, window_left=window_left)
+    want = dense_attention(case, sm_scale=fp32(0.37), window_left=window_left)
     assert got.shape == (case.plan.total_tokens, hq, 16)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
     assert torch.isnan(out[case.plan.total_tokens:]).all(), "rows past total_tokens were written"
@@ -149,5 +155,41 @@ def test_reference_random_ragged_batches(page_size, group, hkv, seqs, data, wind
     pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan)
     got = pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.7,
                                         window_left=window_left)
-    torch.testing.assert_close(got, dense_attention(case, sm_scale=0.7, window_left=window_left), rtol=0,
+    torch.testing.assert_close(got, dense_attention(case, sm_scale=fp32(0.7), window_left=window_left), rtol=0,
                                atol=1e-12)
+
+
+@pytest.mark.parametrize("window_left", [-1, 2, 9])
+def test_shared_read_only_prefix_equals_private_copies(window_left):
+    """Two requests reading the same cached prefix pages attend exactly as if each had its own copy."""
+    gen = torch.Generator().manual_seed(23 + window_left)
+    hq, hkv, d, ps = 4, 2, 8, 4
+    layout = pw.PagedKvLayout(1, hkv, d, ps)
+    pool = layout.allocate(9, torch.float64)
+    pool.normal_(generator=gen)
+    prefix_k = torch.randn(8, hkv, d, generator=gen, dtype=torch.float64)  # positions 0..7 on pages 5, 2
+    prefix_v = torch.randn(8, hkv, d, generator=gen, dtype=torch.float64)
+    for pos in range(8):
+        pool[(5, 2)[pos // ps], 0, 0, pos % ps] = prefix_k[pos]
+        pool[(5, 2)[pos // ps], 0, 1, pos % ps] = prefix_v[pos]
+    seqs = [6, 3]
+    k = torch.randn(sum(seqs), hkv, d, generator=gen, dtype=torch.float64)
+    v = torch.randn(sum(seqs), hkv, d, generator=gen, dtype=torch.float64)
+    q = torch.randn(sum(seqs), hq, d, generator=gen, dtype=torch.float64)
+    heads = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps)
+    shared = pw.PrefillPagedPlan.batch([[5, 2, 0, 7], [5, 2, 4]], [2, 3], [8, 8], seqs, **heads)
+    pw.append_paged_kv(k, v, pool, layout, 0, shared)
+    got = pw.batch_prefill_paged_window(q, pool, layout, 0, shared, sm_scale=0.25, window_left=window_left,
+                                        backend="reference")
+    # the same two requests with private copies of the prefix, one at a time
+    for r, (lo, hi) in enumerate([(0, 6), (6, 9)]):
+        private = layout.allocate(4, torch.float64)
+        private.normal_(generator=gen)
+        one = pw.PrefillPagedPlan.single(list(range(-(-(8 + seqs[r]) // ps))), (8 + seqs[r] - 1) % ps + 1, 0,
+                                         8 + seqs[r], **heads)
+        pw.append_paged_kv(torch.cat([prefix_k, k[lo:hi]]), torch.cat([prefix_v, v[lo:hi]]), private, layout, 0, one)
+        q_full = torch.cat([torch.randn(8, hq, d, generator=gen, dtype=torch.float64), q[lo:hi]])
+        want = pw.batch_prefill_paged_window(q_full, private, layout, 0, one, sm_scale=0.25, window_left=window_left,
+                                             backend="reference")[8:]
+        torch.testing.assert_close(got[lo:hi], want, rtol=0, atol=1e-12)
+    assert not torch.equal(got[:3], got[6:9])

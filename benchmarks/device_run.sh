@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the kernels, run the GPU suite, memcheck, the error table, the benchmark;
 # a short table last. Usage (repository root, on the device): bash benchmarks/device_run.sh [pytest paths...]
-# Env: SKIP_SUITE / SKIP_MMA_SYNC_SUITE / SKIP_MEMCHECK / SKIP_BENCH=1 skip a step; BENCH_ARGS adds bench flags;
+# Env: SKIP_SUITE / SKIP_MMA_SYNC_SUITE / SKIP_MEMCHECK / SKIP_BENCH / SKIP_HOST_COST=1 skip a step; BENCH_ARGS adds bench flags;
 # VARIANTS="label:VAR=value,VAR=value:tile ..." times pagedwindow alone for each kernel variant (environment, e.g.
 # PAGEDWINDOW_PREFILL_KERNEL or PAGEDWINDOW_NVCC_FLAGS, and plan tile) after the main bench.
-# Results: $OUT/log.txt, the main bench's JSON/MD, and every bench file in $OUT/bench.tar.gz.
+# Results: $OUT/log.txt, the main bench's JSON/MD, host_cost.json, and every bench file in $OUT/bench.tar.gz.
 set -uo pipefail
 OUT=${OUT:-/tmp/pw-out}
 mkdir -p "$OUT"
@@ -62,7 +62,7 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   step "python3 -m pagedwindow.cli bench --out $BENCH ${BENCH_ARGS:-}"
   python3 -m pagedwindow.cli bench --out $BENCH ${BENCH_ARGS:-} 2>&1 | tee -a "$LOG" | grep -E "^\||GPU:" | tail -30
   bench="rc=${PIPESTATUS[0]}"
-  cp $BENCH/h200-*.json $BENCH/h200-*.md "$OUT"/ 2>/dev/null
+  cp $BENCH/*-20[0-9][0-9]-[0-9][0-9]-[0-9][0-9]*.json $BENCH/*-20[0-9][0-9]-[0-9][0-9]-[0-9][0-9]*.md "$OUT"/ 2>/dev/null
   for v in ${VARIANTS:-}; do
     IFS=: read -r label assignments tile <<<"$v"
     step "variant $label: ${assignments//,/ } bench --systems pagedwindow --cta-tile-q $tile"
@@ -72,6 +72,13 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   tar -czf "$OUT/bench.tar.gz" -C $BENCH .
 fi
 t4=$(date +%s)
+host="skipped"
+if [ "${SKIP_HOST_COST:-0}" != 1 ]; then
+  step "host cost per call and plan build: python3 benchmarks/host_cost.py"
+  python3 benchmarks/host_cost.py --json "$OUT/host_cost.json" 2>&1 | tee -a "$LOG" | tail -8
+  host="rc=${PIPESTATUS[0]}"
+fi
+t5=$(date +%s)
 echo
 echo "| step | result | seconds |"
 echo "|---|---|---|"
@@ -79,3 +86,4 @@ echo "| build | $(grep -h 'built/loaded' "$LOG" | tail -1) | $((t1 - t0)) |"
 echo "| GPU suite (-m cuda, REQUIRE_GPU=1) | $suite | $((t2 - t1)) |"
 echo "| memcheck + error table | $memcheck | $((t3 - t2)) |"
 echo "| bench | $bench | $((t4 - t3)) |"
+echo "| host cost | $host | $((t5 - t4)) |"

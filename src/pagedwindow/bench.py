@@ -1,31 +1,62 @@
-"""``pagedwindow bench``: the Gemma-4 local-layer workloads timed for pagedwindow and its peers in one process.
+"""``pagedwindow bench``: the Gemma-4 local-layer and serving-shaped workloads timed for pagedwindow and its peers.
 
-Every system's output is checked against the PyTorch reference (fp32 math on the GPU) before it is timed. Times
-are medians of CUDA-event pairs over rotated input sets, measured with the host queued ahead of the GPU (a device
-sleep first) so launch overhead does not leak into kernel time. Useful FLOPs count visible (query, key) pairs
-only: ``4 * head_dim * num_qo_heads * sum(visible)``. The bf16 GEMM rate is measured in the same run.
+Every system's output is checked against the PyTorch reference (fp32 math on the GPU) before it is timed. Each
+system and workload gets three times:
+
+- ``e2e_ms``: back-to-back API calls as a user makes them (host not queued ahead): synchronize, wall-clock over
+  N consecutive calls, synchronize, divided by N; the median of a few such loops. The plan is built beforehand.
+- ``ms``: kernel time: the median of CUDA-event pairs over rotated input sets, with the host queued ahead of the
+  GPU (a device sleep first) so launch overhead does not leak in.
+- ``plan_ms``: host time of planning the batch from its CSR page table (pagedwindow ``from_csr``, FlashInfer
+  ``wrapper.plan``), and ``update_plan_ms`` for pagedwindow's in-place ``update_csr`` (a serving loop re-plans every
+  step). ``None`` where a system has no plan step.
+
+Useful FLOPs count visible (query, key) pairs only: ``4 * head_dim * num_qo_heads * sum(visible)``. The bf16 GEMM
+rate is measured in the same run. Results are named after the GPU: ``<gpu-slug>-<date>[-label].json`` / ``.md``.
 """
 
 from __future__ import annotations
 
 import datetime
 import json
+import re
 import statistics
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 import pagedwindow as pw
 
-from .semantics import window_start
+from .viz.bench_results import FLASHINFER_SYSTEMS, flashinfer_ratios
 
 HQ, HKV, HEAD_DIM, PAGE_SIZE, WINDOW_LEFT, SM_SCALE = 16, 8, 256, 16, 1023, 1.0
+"""``PAGE_SIZE`` is the default of ``Workload.page_size``; everything else reads the workload's."""
 OUTPUT_TOLERANCE = 1e-2
 """A system's output passes when max |out - reference| <= OUTPUT_TOLERANCE * max |reference|: four bf16 ulps at
 the output's largest magnitude (Gemma-4 logits are unscaled, so softmax is sharp and outputs reach |V|'s tail)."""
 SYSTEMS = ("pagedwindow", "flashinfer_fa2", "flashinfer_fa3", "flex", "sdpa")
+
+
+def _triangle(n: int) -> int:
+    """``sum(p + 1 for p in range(n))``."""
+    return n * (n + 1) // 2
+
+
+def visible_pairs_of_request(start: int, seq_len: int, window_left: int) -> int:
+    """Visible keys summed over query positions ``start .. start + seq_len - 1``, in closed form.
+
+    The query at ``p`` sees ``min(p, window_left) + 1`` keys (``p + 1`` without a window): ``p + 1`` below the knee
+    ``p = window_left``, ``window_left + 1`` from it on.
+    """
+    end = start + seq_len
+    if window_left < 0:
+        return _triangle(end) - _triangle(start)
+    knee = min(max(start, window_left), end)
+    return _triangle(knee) - _triangle(start) + (end - knee) * (window_left + 1)
 
 
 @dataclass(frozen=True)
@@ -34,18 +65,16 @@ class Workload:
     seq_lens: tuple[int, ...]
     start_positions: tuple[int, ...]
     window_left: int = WINDOW_LEFT
+    page_size: int = PAGE_SIZE
 
     @property
     def kv_lens(self) -> tuple[int, ...]:
         return tuple(s + n for s, n in zip(self.start_positions, self.seq_lens))
 
     def visible_pairs(self) -> int:
-        """Visible (query, key) pairs per head, summed over the batch."""
-        total = 0
-        for start, seq in zip(self.start_positions, self.seq_lens):
-            for q_pos in range(start, start + seq):
-                total += q_pos - window_start(q_pos, self.window_left) + 1
-        return total
+        """Visible (query, key) pairs per head, summed over the batch (O(batch))."""
+        return sum(visible_pairs_of_request(s, n, self.window_left)
+                   for s, n in zip(self.start_positions, self.seq_lens))
 
     def useful_flops(self) -> int:
         return 4 * HEAD_DIM * HQ * self.visible_pairs()
@@ -58,6 +87,10 @@ WORKLOADS = {
         Workload("prefill_8x2048", (2048,) * 8, (0,) * 8),
         Workload("chunk_2048_on_6144", (2048,), (6144,)),
         Workload("decode_64x4096", (1,) * 64, (4096,) * 64),
+        # serving-shaped: a decode step of a big batch, a burst of short prompts, a late chunk of a long prompt
+        Workload("decode_256x2000_p32", (1,) * 256, (1999,) * 256, page_size=32),
+        Workload("prompts_32x128", (128,) * 32, (0,) * 32),
+        Workload("chunk_512_on_30000", (512,), (30000,)),
     )
 }
 
@@ -75,41 +108,84 @@ def sweep_workloads() -> list[Workload]:
     return out
 
 
+def gpu_slug(name: str) -> str:
+    """A file-name slug of a GPU's name: lower-case, the vendor dropped, other characters to '-'.
+
+    ``"NVIDIA H200"`` -> ``"h200"``; ``"NVIDIA H100 80GB HBM3"`` -> ``"h100-80gb-hbm3"``.
+    """
+    words = name.lower().split()
+    if len(words) > 1 and words[0] in ("nvidia", "amd", "intel"):
+        words = words[1:]
+    return re.sub(r"[^a-z0-9]+", "-", " ".join(words)).strip("-") or "gpu"
+
+
+def result_stem(gpu: str, date: str, label: str | None = None) -> str:
+    """``<gpu-slug>-<date>[-label]``: the name of a run's JSON, table and plots."""
+    return f"{gpu_slug(gpu)}-{date}" + (f"-{label}" if label else "")
+
+
+class Csr(NamedTuple):
+    """A batch's page table in FlashInfer's CSR layout: CPU int32 tensors."""
+
+    qo_indptr: torch.Tensor  # [batch + 1]: request i's query rows are qo_indptr[i] .. qo_indptr[i + 1]
+    kv_indptr: torch.Tensor  # [batch + 1]: request i's pages are kv_indices[kv_indptr[i] .. kv_indptr[i + 1]]
+    kv_indices: torch.Tensor  # [total_pages]
+    last_page_len: torch.Tensor  # [batch]: kv_len = (pages - 1) * page_size + last_page_len
+
+
+def paged_csr(w: Workload, order: list[int]) -> Csr:
+    """``w``'s requests with their pages taken in turn from ``order`` (a request's whole KV is paged)."""
+    kv_lens = torch.tensor(w.kv_lens, dtype=torch.int32)  # [batch]
+    pages = (kv_lens + w.page_size - 1) // w.page_size  # [batch]
+    kv_indptr = torch.zeros(len(kv_lens) + 1, dtype=torch.int32)  # [batch + 1]
+    kv_indptr[1:] = pages.cumsum(0)
+    qo_indptr = torch.zeros_like(kv_indptr)  # [batch + 1]
+    qo_indptr[1:] = torch.tensor(w.seq_lens, dtype=torch.int32).cumsum(0)
+    kv_indices = torch.tensor(order[: int(kv_indptr[-1])], dtype=torch.int32)  # [total_pages]
+    last_page_len = (kv_lens - (pages - 1) * w.page_size).to(torch.int32)  # [batch]
+    return Csr(qo_indptr, kv_indptr, kv_indices, last_page_len)
+
+
+def plan_kwargs(w: Workload, cta_tile_q=None) -> dict:
+    """The keyword arguments of ``PrefillPagedPlan.from_csr`` / ``update_csr`` for ``w`` (minus ``device``)."""
+    return {"num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim": HEAD_DIM, "page_size": w.page_size,
+            "cta_tile_q": cta_tile_q}
+
+
 @dataclass
 class Inputs:
-    """One input set: a pool with shuffled pages holding each request's whole KV, the plan and q."""
+    """One input set: a pool with shuffled pages holding each request's whole KV, its CSR, the plan, q, out."""
 
     layout: pw.PagedKvLayout
-    pool: torch.Tensor  # [num_pages, 1, 2, PAGE_SIZE, HKV, HEAD_DIM]
+    pool: torch.Tensor  # [num_pages, 1, 2, page_size, HKV, HEAD_DIM]
+    csr: Csr
     plan: pw.PrefillPagedPlan
     q: torch.Tensor  # [total_tokens, HQ, HEAD_DIM]
     out: torch.Tensor  # [total_tokens, HQ, HEAD_DIM]
+    cta_tile_q: int | None = None  # the tile override the plan was built with (None: the plan's own choice)
 
 
 def make_inputs(w: Workload, gen: torch.Generator, device, cta_tile_q=None) -> Inputs:
-    need = [-(-kv // PAGE_SIZE) for kv in w.kv_lens]
-    num_pages = sum(need) + 8
-    order = torch.randperm(num_pages, generator=gen).tolist()
-    pages, at = [], 0
-    for n in need:
-        pages.append(order[at: at + n])
-        at += n
-    lasts = [kv - (n - 1) * PAGE_SIZE for kv, n in zip(w.kv_lens, need)]
-    layout = pw.PagedKvLayout(1, HKV, HEAD_DIM, PAGE_SIZE)
-    pool = layout.allocate(num_pages, torch.bfloat16, device)
-    pool.normal_(generator=None)
-    plan = pw.PrefillPagedPlan.batch(pages, lasts, list(w.start_positions), list(w.seq_lens), num_qo_heads=HQ,
-                                     num_kv_heads=HKV, head_dim=HEAD_DIM, page_size=PAGE_SIZE, cta_tile_q=cta_tile_q,
-                                     device=device)
-    q = torch.randn(plan.total_tokens, HQ, HEAD_DIM, device=device, dtype=torch.bfloat16)
-    return Inputs(layout, pool, plan, q, torch.empty_like(q))
+    """A seeded input set for ``w``: pages shuffled by ``gen``, pool and q filled from a generator it seeds."""
+    device = torch.device(device)
+    num_pages = sum(-(-kv // w.page_size) for kv in w.kv_lens) + 8  # every request's pages and 8 spare
+    csr = paged_csr(w, torch.randperm(num_pages, generator=gen).tolist())
+    fill = torch.Generator(device).manual_seed(int(torch.randint(2**62, (), generator=gen)))
+    layout = pw.PagedKvLayout(1, HKV, HEAD_DIM, w.page_size)
+    pool = layout.allocate(num_pages, torch.bfloat16, device)  # [num_pages, 1, 2, page_size, HKV, HEAD_DIM]
+    pool.normal_(generator=fill)
+    plan = pw.PrefillPagedPlan.from_csr(*csr, **plan_kwargs(w, cta_tile_q), device=device)
+    q = torch.randn(sum(w.seq_lens), HQ, HEAD_DIM, generator=fill, device=device,
+                    dtype=torch.bfloat16)  # [total_tokens, HQ, HEAD_DIM]
+    return Inputs(layout, pool, csr, plan, q, torch.empty_like(q), cta_tile_q)
 
 
 def dense_kv(inp: Inputs, request: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Request ``request``'s K and V gathered from the pool: ``[kv_len, HKV, HEAD_DIM]`` each."""
-    kv_len = inp.plan.kv_lens[request]
-    pages = torch.tensor(inp.plan.pages[request], device=inp.pool.device)
-    k = inp.pool[pages, 0, 0].reshape(-1, HKV, HEAD_DIM)[:kv_len]
+    lo, hi = int(inp.csr.kv_indptr[request]), int(inp.csr.kv_indptr[request + 1])
+    kv_len = (hi - lo - 1) * inp.layout.page_size + int(inp.csr.last_page_len[request])
+    pages = inp.csr.kv_indices[lo:hi].to(inp.pool.device)  # [pages]
+    k = inp.pool[pages, 0, 0].reshape(-1, HKV, HEAD_DIM)[:kv_len]  # [kv_len, HKV, HEAD_DIM]
     v = inp.pool[pages, 0, 1].reshape(-1, HKV, HEAD_DIM)[:kv_len]
     return k, v
 
@@ -123,20 +199,25 @@ def system_pagedwindow(w: Workload, inp: Inputs):
     return call, lambda: inp.out
 
 
+def _flashinfer_wrapper(backend: str, device):
+    import flashinfer
+
+    workspace = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    return flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
+
+
+def _flashinfer_plan(wrapper, csr: Csr, w: Workload) -> None:
+    wrapper.plan(*csr, HQ, HKV, HEAD_DIM, w.page_size, causal=True, window_left=w.window_left, sm_scale=SM_SCALE,
+                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+
+
 def _flashinfer(backend: str):
     def make(w: Workload, inp: Inputs):
-        import flashinfer
-
-        workspace = torch.empty(256 << 20, dtype=torch.uint8, device=inp.q.device)
-        wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
-        p = inp.plan
-        k_cache = inp.pool[:, 0, 0].contiguous()  # [num_pages, PAGE_SIZE, HKV, HEAD_DIM]
+        wrapper = _flashinfer_wrapper(backend, inp.q.device)
+        k_cache = inp.pool[:, 0, 0].contiguous()  # [num_pages, page_size, HKV, HEAD_DIM]
         v_cache = inp.pool[:, 0, 1].contiguous()
-        wrapper.plan(p.qo_indptr.to(inp.q.device), p.page_indptr.to(inp.q.device),
-                     p.page_indices.to(inp.q.device), p.last_page_len.to(inp.q.device), HQ, HKV, HEAD_DIM,
-                     PAGE_SIZE, causal=True, window_left=w.window_left, sm_scale=SM_SCALE,
-                     q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
-        out = torch.empty_like(inp.q)
+        _flashinfer_plan(wrapper, Csr(*(t.to(inp.q.device) for t in inp.csr)), w)
+        out = torch.empty_like(inp.q)  # [total_tokens, HQ, HEAD_DIM]
 
         def call():
             wrapper.run(inp.q, (k_cache, v_cache), out=out)
@@ -148,7 +229,7 @@ def system_flex(w: Workload, inp: Inputs):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     compiled = torch.compile(flex_attention, dynamic=False)
-    qo = inp.plan.qo_indptr.tolist()
+    qo = inp.csr.qo_indptr.tolist()
     calls, outs = [], []
     for r, (start, seq) in enumerate(zip(w.start_positions, w.seq_lens)):
         k, v = dense_kv(inp, r)
@@ -182,7 +263,7 @@ def system_flex(w: Workload, inp: Inputs):
 def system_sdpa(w: Workload, inp: Inputs):
     import torch.nn.functional as F
 
-    qo = inp.plan.qo_indptr.tolist()
+    qo = inp.csr.qo_indptr.tolist()
     groups: dict[tuple[int, int], list[int]] = {}
     for r, key in enumerate(zip(w.start_positions, w.seq_lens)):
         groups.setdefault(key, []).append(r)
@@ -238,6 +319,69 @@ def median_ms(calls: list, reps: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+def e2e_ms(calls: list, iters: int, loops: int, synchronize=torch.cuda.synchronize) -> float:
+    """Wall-clock ms per call of ``iters`` back-to-back calls (``calls`` in rotation), the host not queued ahead:
+    synchronize, time the loop, synchronize. The median over ``loops`` such loops (after one warm-up round)."""
+    for c in calls:
+        c()
+    per_call = []
+    for _ in range(loops):
+        synchronize()
+        t0 = time.perf_counter()
+        for i in range(iters):
+            calls[i % len(calls)]()
+        synchronize()
+        per_call.append((time.perf_counter() - t0) * 1e3 / iters)
+    return statistics.median(per_call)
+
+
+def host_ms(fn, reps: int, synchronize=torch.cuda.synchronize) -> float:
+    """Median host wall-clock ms of ``fn()`` (after a warm-up), the device idle before each call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    synchronize()
+    return statistics.median(times)
+
+
+NO_PLAN = {"plan_ms": None, "update_plan_ms": None, "plan_inputs": None,
+           "plan_status": "not applicable: no plan step (masks are built once, outside the timed call)"}
+
+
+def plan_times(system: str, w: Workload, inp: Inputs, reps: int) -> dict:
+    """Host time of planning ``inp``'s batch from its CSR as each system's user does it: record fields.
+
+    pagedwindow: ``PrefillPagedPlan.from_csr`` of the CPU int32 CSR (a new plan) and ``update_csr`` (in place).
+    FlashInfer: ``wrapper.plan`` on a warm wrapper with every array a CUDA tensor (its documentation's form;
+    ``plan_ms``), and with the indptrs and last_page_len on the host (vLLM's form; ``plan_ms_host_indptr``). It has
+    no separate update: a serving loop calls ``wrapper.plan`` every step.
+    """
+    if system != "pagedwindow" and system not in FLASHINFER_SYSTEMS:
+        return dict(NO_PLAN)
+    device = inp.q.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    if system == "pagedwindow":
+        kwargs = plan_kwargs(w, inp.cta_tile_q)
+        plan = pw.PrefillPagedPlan.from_csr(*inp.csr, **kwargs, device=device)
+        return {"plan_ms": host_ms(lambda: pw.PrefillPagedPlan.from_csr(*inp.csr, **kwargs, device=device), reps,
+                                   sync),
+                "update_plan_ms": host_ms(lambda: plan.update_csr(*inp.csr, **kwargs), reps, sync),
+                "plan_inputs": dict.fromkeys(Csr._fields, "cpu"),
+                "plan_status": "from_csr (new plan) / update_csr (in place) of the CPU int32 CSR"}
+    wrapper = _flashinfer_wrapper(system.removeprefix("flashinfer_"), device)
+    on_device = Csr(*(t.to(device) for t in inp.csr))
+    host_indptr = inp.csr._replace(kv_indices=on_device.kv_indices)
+    return {"plan_ms": host_ms(lambda: _flashinfer_plan(wrapper, on_device, w), reps, sync),
+            "update_plan_ms": None,
+            "plan_ms_host_indptr": host_ms(lambda: _flashinfer_plan(wrapper, host_indptr, w), reps, sync),
+            "plan_inputs": dict.fromkeys(Csr._fields, "cuda"),
+            "plan_status": "wrapper.plan on a warm wrapper (FlashInfer re-plans this way every step)"}
+
+
 def gemm_tflops(device) -> float:
     n = 8192
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
@@ -263,12 +407,45 @@ def allocations_per_call(w: Workload, inp: Inputs) -> int:
     return torch.cuda.memory_stats()["allocation.all.allocated"] - before
 
 
+def new_record(system: str, workload: str) -> dict:
+    """A record before measurement: every time ``None`` (not measured / not applicable), status ``ok``."""
+    return {"system": system, "workload": workload, "e2e_ms": None, "ms": None, "plan_ms": None,
+            "update_plan_ms": None, "useful_tflops": None, "max_abs_err": None, "err_bound": None, "status": "ok",
+            "plan_inputs": None, "plan_status": None}
+
+
+def _time_system(record: dict, system: str, w: Workload, input_sets: list, want: torch.Tensor, reps: int,
+                 loops: int) -> None:
+    """Check ``system``'s output, then fill ``record`` with its kernel, end-to-end and plan times."""
+    made = [MAKERS[system](w, inp) for inp in input_sets]
+    made[0][0]()
+    torch.cuda.synchronize()
+    err = (made[0][1]().float() - want).abs().max().item()
+    bound = OUTPUT_TOLERANCE * want.abs().max().item()
+    record.update(max_abs_err=err, err_bound=bound)
+    if not err <= bound:
+        record["status"] = f"wrong output (max abs err {err:.3e} > {bound:.3e})"
+        return
+    calls = [m[0] for m in made]
+    ms = median_ms(calls, reps)
+    record.update(ms=ms, useful_tflops=w.useful_flops() / (ms * 1e-3) / 1e12)
+    record["e2e_ms"] = e2e_ms(calls, reps, loops)
+    if system == "pagedwindow":
+        record["cta_tile_q"] = input_sets[0].plan.cta_tile_q
+    record.update(plan_times(system, w, input_sets[0], max(5, reps // 2)))
+
+
 def run_bench(out="benchmarks/results", workloads=None, systems=None, sweep=False, quick=False, cta_tile_q=None,
               label=None) -> int:
-    """Measure, print a table, write ``h200-<date>[-label].json`` / ``.md`` into ``out``. Returns an exit code.
+    """Measure, print a table, write ``<gpu-slug>-<date>[-label].json`` / ``.md`` into ``out``; an exit code.
 
-    ``cta_tile_q`` overrides the plans' tile (all systems see the same plan; only pagedwindow reads the tile).
+    ``cta_tile_q`` overrides the plans' tile (all systems see the same batch; only pagedwindow reads the tile).
     """
+    unknown = [n for n in workloads or () if n not in WORKLOADS] + [s for s in systems or () if s not in MAKERS]
+    if unknown:
+        print(f"pagedwindow bench: unknown workload or system {unknown}; workloads {list(WORKLOADS)}, "
+              f"systems {list(MAKERS)}")
+        return 2
     if not torch.cuda.is_available():
         print("pagedwindow bench needs a CUDA GPU; none is available.")
         return 2
@@ -277,7 +454,7 @@ def run_bench(out="benchmarks/results", workloads=None, systems=None, sweep=Fals
     if sweep:
         chosen += sweep_workloads()
     systems = list(systems or SYSTEMS)
-    reps, sets = (10, 2) if quick else (50, 3)
+    reps, sets, loops = (10, 2, 3) if quick else (50, 3, 5)
     peak = gemm_tflops(device)
     records, allocations = [], {}
     for w in chosen:
@@ -285,32 +462,21 @@ def run_bench(out="benchmarks/results", workloads=None, systems=None, sweep=Fals
         input_sets = [make_inputs(w, gen, device, cta_tile_q) for _ in range(sets)]
         want = reference_output(w, input_sets[0])
         for system in systems:
-            record = {"system": system, "workload": w.name, "ms": None, "useful_tflops": None,
-                      "max_abs_err": None, "err_bound": None, "status": "ok"}
+            record = new_record(system, w.name)
             if w.name not in WORKLOADS and system not in SWEEP_SYSTEMS:
                 record["status"] = "not run at sweep points"
-                records.append(record)
-                continue
-            try:
-                made = [MAKERS[system](w, inp) for inp in input_sets]
-                made[0][0]()
-                torch.cuda.synchronize()
-                err = (made[0][1]().float() - want).abs().max().item()
-                record["max_abs_err"] = err
-                bound = OUTPUT_TOLERANCE * want.abs().max().item()
-                record["err_bound"] = bound
-                if not err <= bound:
-                    record["status"] = f"wrong output (max abs err {err:.3e} > {bound:.3e})"
-                else:
-                    ms = median_ms([m[0] for m in made], reps)
-                    record.update(ms=ms, useful_tflops=w.useful_flops() / (ms * 1e-3) / 1e12)
-            except ImportError as exc:
-                record["status"] = f"missing: {exc}"
-            except Exception as exc:  # a peer that fails is reported, not dropped
-                record["status"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-                traceback.print_exc()
+            else:
+                try:
+                    _time_system(record, system, w, input_sets, want, reps, loops)
+                except ImportError as exc:
+                    record["status"] = f"missing: {exc}"
+                except Exception as exc:  # a peer that fails is reported, not dropped
+                    record["status"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                    traceback.print_exc()
             records.append(record)
-            print(f"{w.name:>22} {system:>15} {record['ms'] or float('nan'):9.4f} ms  {record['status']}", flush=True)
+            print(f"{w.name:>22} {system:>15}  e2e {_num(record['e2e_ms'], '9.4f')}  kernel "
+                  f"{_num(record['ms'], '9.4f')}  plan {_num(record['plan_ms'], '8.4f')} ms  {record['status']}",
+                  flush=True)
         if "pagedwindow" in systems:
             allocations[w.name] = allocations_per_call(w, input_sets[0])
         del input_sets
@@ -319,17 +485,18 @@ def run_bench(out="benchmarks/results", workloads=None, systems=None, sweep=Fals
 
     kernel = ops.prefill_entry(build.target_for_capability(*torch.cuda.get_device_capability(device)))
     result = {"gpu": torch.cuda.get_device_name(device), "date": datetime.date.today().isoformat(),
-              "prefill_kernel": kernel,
-              "torch": torch.__version__, "peak_bf16_tflops": peak, "cta_tile_q": cta_tile_q, "label": label,
-              "allocations_per_10_calls": allocations, "records": records}
+              "prefill_kernel": kernel, "torch": torch.__version__, "peak_bf16_tflops": peak,
+              "tile_override": cta_tile_q, "label": label, "allocations_per_10_calls": allocations,
+              "records": records}
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"h200-{result['date']}" + (f"-{label}" if label else "")
+    stem = result_stem(result["gpu"], result["date"], label)
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1))
     table = markdown_table(result)
     (out / f"{stem}.md").write_text(table)
     write_plots(out / f"{stem}.json")
     print(table)
+    print(f"wrote {out / stem}.json / .md")
     return 0
 
 
@@ -346,28 +513,47 @@ def write_plots(path: Path) -> None:
         plot(results).savefig(path.with_name(f"{path.stem}-{name}.png"), dpi=120)
 
 
+def _num(value, spec: str, suffix: str = "") -> str:
+    return "—" if value is None else f"{value:{spec}}{suffix}"
+
+
 def markdown_table(result: dict) -> str:
-    """Workloads × systems: ms, useful TF/s, % of the measured bf16 GEMM rate, pagedwindow's speed-up."""
+    """Workloads × systems: the three times, useful TF/s, % of the bf16 GEMM rate, each time over FlashInfer's best
+    (the faster of fa2 / fa3 on that workload: < 1 is faster than FlashInfer), the output error."""
     timed = result["records"]
-    workloads = list(dict.fromkeys(r["workload"] for r in timed))
-    systems = list(dict.fromkeys(r["system"] for r in timed))
-    by = {(r["workload"], r["system"]): r for r in timed}
-    lines = [f"GPU: {result['gpu']}; bf16 GEMM {result['peak_bf16_tflops']:.0f} TF/s measured in the same run", "",
-             "| workload | system | ms | useful TF/s | % GEMM | pagedwindow speed-up | max abs err |",
-             "|---|---|---|---|---|---|---|"]
-    for w in workloads:
-        ours = by.get((w, "pagedwindow"), {}).get("ms")
-        for s in systems:
-            r = by.get((w, s))
-            if r is None:
-                continue
-            if r["ms"] is None:
-                lines.append(f"| {w} | {s} | — | — | — | — | {r['status']} |")
-                continue
-            speedup = f"{r['ms'] / ours:.2f}×" if ours else "—"  # peer time / ours: > 1 means we are faster
-            lines.append(f"| {w} | {s} | {r['ms']:.4f} | {r['useful_tflops']:.1f} | "
-                         f"{100 * r['useful_tflops'] / result['peak_bf16_tflops']:.1f} | {speedup} | "
-                         f"{r['max_abs_err']:.2e} |")
+    ratios = flashinfer_ratios(timed)
+    peak = result["peak_bf16_tflops"]
+    override = result.get("tile_override", result.get("cta_tile_q"))  # older files: top-level cta_tile_q
+    lines = [f"GPU: {result['gpu']}; bf16 GEMM {peak:.0f} TF/s measured in the same run; plan tile "
+             + (f"forced to {override}" if override else "the plan's own choice"), "",
+             "| workload | system | e2e ms | kernel ms | plan ms | update ms | useful TF/s | % GEMM | "
+             "e2e / FI best | kernel / FI best | max abs err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in timed:
+        if r.get("ms") is None and r.get("e2e_ms") is None:
+            lines.append(f"| {r['workload']} | {r['system']} |" + " — |" * 8 + f" {r.get('status', 'missing')} |")
+            continue
+        tflops = r.get("useful_tflops")
+        e2e_ratio, ms_ratio = ratios.get((r["workload"], r["system"]), (None, None))
+        lines.append(f"| {r['workload']} | {r['system']} | {_num(r.get('e2e_ms'), '.4f')} | "
+                     f"{_num(r.get('ms'), '.4f')} | {_num(r.get('plan_ms'), '.4f')} | "
+                     f"{_num(r.get('update_plan_ms'), '.4f')} | {_num(tflops, '.1f')} | "
+                     f"{_num(None if tflops is None else 100 * tflops / peak, '.1f')} | "
+                     f"{_num(e2e_ratio, '.2f', '×')} | {_num(ms_ratio, '.2f', '×')} | "
+                     f"{_num(r.get('max_abs_err'), '.2e')} |")
+    lines += ["", "e2e: back-to-back API calls, wall clock, host not queued ahead; kernel: CUDA events, host queued "
+              "ahead; plan: host time of planning from the CSR page table (pagedwindow `from_csr`, FlashInfer "
+              "`wrapper.plan` with CUDA-tensor arrays); update: pagedwindow's in-place `update_csr` (FlashInfer "
+              "re-plans with `wrapper.plan`: its plan ms)."]
+    host_indptr = [f"{r['workload']} {r['system'].removeprefix('flashinfer_')} {r['plan_ms_host_indptr']:.4f}"
+                   for r in timed if r.get("plan_ms_host_indptr") is not None]
+    if host_indptr:
+        lines += ["", "FlashInfer plan ms with the indptrs and last_page_len on the host (vLLM's form): "
+                  + ", ".join(host_indptr)]
+    tiles = [f"{r['workload']} {r['cta_tile_q']}" for r in timed
+             if r["system"] == "pagedwindow" and r.get("cta_tile_q") is not None]
+    if tiles:
+        lines += ["", "pagedwindow's plan tile (cta_tile_q): " + ", ".join(tiles)]
     allocations = result.get("allocations_per_10_calls") or {}
     if allocations:
         lines += ["", "Allocations made by 10 pagedwindow calls with `out` given (the contract: 0): "

@@ -16,13 +16,16 @@ def main(argv: list[str] | None = None) -> int:
     report.add_argument("--out", default=None, help="report directory (default: reports/<params>)")
     report.add_argument("--notebooks", nargs="*", default=None, help="notebook names to run (default: all)")
 
-    bench = sub.add_parser("bench", help="time pagedwindow against its peers on the Gemma-4 workloads (GPU)")
-    bench.add_argument("--out", default="benchmarks/results", help="directory for the JSON, table and plots")
+    bench = sub.add_parser("bench", help="time pagedwindow against its peers on the Gemma-4 workloads (GPU): "
+                                         "end-to-end, kernel and plan time")
+    bench.add_argument("--out", default="benchmarks/results",
+                       help="directory for <gpu>-<date>[-label].json, its table and plots")
     bench.add_argument("--workloads", nargs="*", default=None, help="workload names (default: all)")
     bench.add_argument("--systems", nargs="*", default=None, help="systems to time (default: all)")
     bench.add_argument("--sweep", action="store_true", help="also sweep kv length and window")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
-    bench.add_argument("--cta-tile-q", type=int, default=None, help="force the plans' query tile (16, 64, 128)")
+    bench.add_argument("--cta-tile-q", type=int, default=None,
+                       help="force the plans' query tile (16, 64, 128; default: each plan's own choice)")
     bench.add_argument("--label", default=None, help="suffix of the result files (a kernel variant's name)")
 
     args = parser.parse_args(argv)

@@ -1,9 +1,11 @@
-"""Benchmark results files (``benchmarks/results/h200-<date>.json``): found, validated, tabulated, gated.
+"""Benchmark results files (``benchmarks/results/<gpu>-<date>[-label].json``): found, validated, tabulated, gated.
 
-Schema: ``{"gpu": str, "peak_bf16_tflops": float, "records": [record, ...]}`` (``date``, ``torch`` optional). A
-*timing record* has ``system``, ``workload`` and ``ms`` (``null`` = the system is missing or failed; ``status``
-may say why), ``useful_tflops`` and ``max_abs_err`` (numbers or ``null``). Records without ``ms`` are auxiliary
-metrics (e.g. ``{"metric": "allocations_per_10_calls", "value": 0}``) and are listed apart.
+Schema: ``{"gpu": str, "peak_bf16_tflops": float, "records": [record, ...]}`` (``date``, ``torch``,
+``tile_override`` ... optional). A *timing record* has ``system``, ``workload`` and ``ms`` (kernel time; ``null`` =
+the system is missing or failed; ``status`` may say why), ``useful_tflops`` and ``max_abs_err`` (numbers or
+``null``); newer files add ``e2e_ms`` (back-to-back API calls), ``plan_ms`` / ``update_plan_ms`` (host planning;
+``null`` where not applicable) and ``plan_ms_host_indptr``, numbers or ``null`` when present. Records without ``ms``
+are auxiliary metrics (e.g. ``{"metric": "allocations_per_10_calls", "value": 0}``) and are listed apart.
 """
 
 from __future__ import annotations
@@ -17,18 +19,22 @@ from pathlib import Path
 from .paths import resolve_path
 
 SYSTEMS = ("pagedwindow", "flashinfer_fa2", "flashinfer_fa3", "flex", "sdpa")
-RESULTS_PATTERN = re.compile(r"^h200-(\d{4}-\d{2}-\d{2})(.*)\.json$")
+FLASHINFER_SYSTEMS = ("flashinfer_fa2", "flashinfer_fa3")
+TIMES = ("e2e_ms", "ms", "plan_ms", "update_plan_ms", "plan_ms_host_indptr")
+"""A record's times in ms (``ms``: kernel time); each a number or null."""
+RESULTS_PATTERN = re.compile(r"^([a-z0-9]+(?:-[a-z0-9]+)*?)-(\d{4}-\d{2}-\d{2})(.*)\.json$")
+"""``<gpu-slug>-<date>[-label].json`` (``h200-2026-12-02.json``); group 2 is the date."""
 
 
 def newest_results(results_dir) -> Path | None:
-    """The ``h200-<date>*.json`` with the latest date in ``results_dir`` (name order breaks ties), or None."""
+    """The ``<gpu>-<date>*.json`` with the latest date in ``results_dir`` (name order breaks ties), or None."""
     found = resolve_path(results_dir)
     if found is None or not found.is_dir():
         return None
     files = [p for p in found.iterdir() if RESULTS_PATTERN.match(p.name)]
     if not files:
         return None
-    return max(files, key=lambda p: (RESULTS_PATTERN.match(p.name).group(1), p.name))
+    return max(files, key=lambda p: (RESULTS_PATTERN.match(p.name).group(2), p.name))
 
 
 @dataclass
@@ -79,18 +85,37 @@ def load_results(path) -> BenchResults:
         if "ms" not in r:
             auxiliary.append(r)
             continue
-        for name in ("ms", "useful_tflops", "max_abs_err"):
+        for name in (*TIMES, "useful_tflops", "max_abs_err"):
             _number_or_null(where, name, r.get(name))
         timing.append(r)
     match = RESULTS_PATTERN.match(path.name)
     return BenchResults(path=path, gpu=data["gpu"], peak_bf16_tflops=float(peak), records=timing,
-                        auxiliary=auxiliary, date=data.get("date") or (match.group(1) if match else None))
+                        auxiliary=auxiliary, date=data.get("date") or (match.group(2) if match else None))
+
+
+def flashinfer_ratios(records: list) -> dict:
+    """``{(workload, system): (e2e_ms / FlashInfer's best e2e_ms, ms / FlashInfer's best ms)}``.
+
+    FlashInfer's best is the faster of fa2 / fa3 on that workload (``min`` over their times); a ratio is ``None``
+    where either time is missing. Below 1: faster than FlashInfer.
+    """
+    def best(workload, key):
+        return min((r[key] for r in records if r["workload"] == workload and r["system"] in FLASHINFER_SYSTEMS
+                    and r.get(key) is not None), default=None)
+
+    def ratio(r, key):
+        fi = best(r["workload"], key)
+        return r[key] / fi if r.get(key) is not None and fi else None
+
+    return {(r["workload"], r["system"]): (ratio(r, "e2e_ms"), ratio(r, "ms")) for r in records}
 
 
 def summary_rows(results: BenchResults) -> list[dict]:
-    """One row per (workload, system): ms, useful TF/s, % of the bf16 GEMM rate measured in the same run,
-    pagedwindow's speed-up over that system (its ms / ours), max_abs_err and status."""
+    """One row per (workload, system): the times, useful TF/s, % of the bf16 GEMM rate measured in the same run,
+    pagedwindow's kernel speed-up over that system (its ms / ours), each time over FlashInfer's best,
+    max_abs_err and status."""
     rows = []
+    ratios = flashinfer_ratios(results.records)
     for w in results.workloads:
         ours = results.record(w, "pagedwindow")
         ours_ms = ours.get("ms") if ours else None
@@ -99,10 +124,13 @@ def summary_rows(results: BenchResults) -> list[dict]:
             if r is None:
                 continue
             ms, tflops = r.get("ms"), r.get("useful_tflops")
+            e2e_ratio, ms_ratio = ratios[w, s]
             rows.append({
-                "workload": w, "system": s, "ms": ms, "useful_tflops": tflops,
+                "workload": w, "system": s, "e2e_ms": r.get("e2e_ms"), "ms": ms, "plan_ms": r.get("plan_ms"),
+                "update_plan_ms": r.get("update_plan_ms"), "useful_tflops": tflops,
                 "pct_of_gemm": 100 * tflops / results.peak_bf16_tflops if tflops is not None else None,
                 "pagedwindow_speedup": ms / ours_ms if ms is not None and ours_ms else None,
+                "e2e_vs_flashinfer_best": e2e_ratio, "ms_vs_flashinfer_best": ms_ratio,
                 "max_abs_err": r.get("max_abs_err"), "status": r.get("status", "ok" if ms is not None else "missing"),
             })
     return rows

@@ -1,0 +1,129 @@
+"""Host time of one call, as a serving loop pays it: pagedwindow's wrappers against FlashInfer's ``run``.
+
+The GPU is kept busy (a device sleep queued first) while N calls are enqueued back to back, so the wall-clock per
+call is the host's cost alone: argument checks, dispatch, the launch itself. Also times plan building from CSR
+(``from_csr`` / ``update_csr``, and the per-request list form) against FlashInfer's ``plan`` for the same batch.
+Usage on a GPU machine: ``python3 benchmarks/host_cost.py [--json PATH]``; prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import torch
+
+import pagedwindow as pw
+from pagedwindow import bench
+
+WORKLOADS = ("prompts_32x128", "chunk_512_on_30000", "decode_64x4096", "decode_256x2000_p32", "prefill_8x2048")
+
+
+def host_us_per_call(calls: dict, n: int = 200, rounds: int = 9) -> dict:
+    """Host wall-clock µs per call of each of ``calls`` (name -> callable): ``n`` calls enqueued behind a device
+    sleep, the systems interleaved round by round (so host drift hits all alike); the median over ``rounds``."""
+    for call in calls.values():
+        call()
+    torch.cuda.synchronize()
+    per_call = {name: [] for name in calls}
+    gc.disable()
+    try:
+        for _ in range(rounds):
+            for name, call in calls.items():
+                torch.cuda._sleep(int(5e7))  # ~30 ms of GPU time: the calls below only enqueue
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    call()
+                per_call[name].append((time.perf_counter() - t0) * 1e6 / n)
+                torch.cuda.synchronize()
+    finally:
+        gc.enable()
+    return {name: statistics.median(times) for name, times in per_call.items()}
+
+
+def host_ms(fn, reps: int = 50) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def measure(name: str, device: torch.device, flashinfer: bool) -> dict:
+    """One workload's row: host µs per call of each wrapper and FlashInfer's run, plan-build ms of each."""
+    w = bench.WORKLOADS[name]
+    inp = bench.make_inputs(w, torch.Generator().manual_seed(0), device)
+    row = {"workload": name, "cta_tile_q": inp.plan.cta_tile_q}
+    kv = torch.randn(inp.plan.total_tokens, bench.HKV, bench.HEAD_DIM, dtype=torch.bfloat16, device=device)
+    calls = {
+        f"prefill_{backend}_us": (lambda b=backend: pw.batch_prefill_paged_window(
+            inp.q, inp.pool, inp.layout, 0, inp.plan, sm_scale=bench.SM_SCALE, window_left=w.window_left,
+            out=inp.out, backend=b))
+        for backend in ("cuda", "auto")}
+    calls["prefill_out_none_us"] = lambda: pw.batch_prefill_paged_window(
+        inp.q, inp.pool, inp.layout, 0, inp.plan, sm_scale=bench.SM_SCALE, window_left=w.window_left,
+        backend="cuda")
+    calls["append_us"] = lambda: pw.append_paged_kv(kv, kv, inp.pool, inp.layout, 0, inp.plan, backend="cuda")
+    if flashinfer:
+        for backend in ("fa2", "fa3"):
+            try:
+                calls[f"flashinfer_{backend}_run_us"] = bench.MAKERS[f"flashinfer_{backend}"](w, inp)[0]
+            except Exception as exc:  # a peer that fails is reported, not dropped
+                row[f"flashinfer_{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    row.update(host_us_per_call(calls))
+    kwargs = bench.plan_kwargs(w)
+    plan = inp.plan
+    row["from_csr_ms"] = host_ms(lambda: pw.PrefillPagedPlan.from_csr(*inp.csr, **kwargs, device=device))
+    row["update_csr_ms"] = host_ms(lambda: plan.update_csr(*inp.csr, **kwargs))
+    cuda_csr = bench.Csr(*(t.to(device) for t in inp.csr))
+    row["update_csr_cuda_inputs_ms"] = host_ms(lambda: plan.update_csr(*cuda_csr, **kwargs))
+    lists = ([list(p) for p in plan.pages], plan.last_page_len.tolist(), list(plan.start_positions),
+             list(plan.seq_lens))
+    row["batch_lists_ms"] = host_ms(lambda: pw.PrefillPagedPlan.batch(*lists, **kwargs, device=device), 20)
+    if flashinfer:
+        host_indptr = inp.csr._replace(kv_indices=cuda_csr.kv_indices)
+        for backend in ("fa2", "fa3"):
+            try:
+                wrapper = bench._flashinfer_wrapper(backend, device)
+                row[f"flashinfer_{backend}_plan_ms"] = host_ms(
+                    lambda wr=wrapper: bench._flashinfer_plan(wr, cuda_csr, w))
+                row[f"flashinfer_{backend}_plan_host_indptr_ms"] = host_ms(
+                    lambda wr=wrapper: bench._flashinfer_plan(wr, host_indptr, w))
+            except Exception as exc:  # a peer that fails is reported, not dropped
+                row[f"flashinfer_{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--no-flashinfer", action="store_true")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    rows = []
+    for name in WORKLOADS:
+        rows.append(measure(name, device, not args.no_flashinfer))
+        print(json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
+    keys = ["prefill_cuda_us", "prefill_auto_us", "prefill_out_none_us", "append_us", "flashinfer_fa2_run_us",
+            "flashinfer_fa3_run_us", "from_csr_ms", "update_csr_ms", "update_csr_cuda_inputs_ms", "batch_lists_ms",
+            "flashinfer_fa2_plan_ms", "flashinfer_fa2_plan_host_indptr_ms", "flashinfer_fa3_plan_ms"]
+    print("\n| workload | tile | " + " | ".join(keys) + " |")
+    print("|---|---|" + "---|" * len(keys))
+    for row in rows:
+        cells = [f"{row[k]:.3f}" if isinstance(row.get(k), float) else str(row.get(k, "—")) for k in keys]
+        print(f"| {row['workload']} | {row['cta_tile_q']} | " + " | ".join(cells) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

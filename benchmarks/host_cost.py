@@ -44,22 +44,36 @@ def host_us_per_call(calls: dict, n: int = 200, rounds: int = 9) -> dict:
     return {name: statistics.median(times) for name, times in per_call.items()}
 
 
-def host_ms(fn, reps: int = 50) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+def host_ms(fns: dict, reps: int = 40) -> dict:
+    """Median host ms of each of ``fns`` (name -> callable), the device idle before each call and the callables
+    interleaved round by round."""
+    for fn in fns.values():
         fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    times = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
-def measure(name: str, device: torch.device, flashinfer: bool) -> dict:
-    """One workload's row: host µs per call of each wrapper and FlashInfer's run, plan-build ms of each."""
+def measure(name: str, device: torch.device, flashinfer: tuple[str, ...], plan_only: bool = False) -> dict:
+    """One workload's row: host µs per call of each wrapper and FlashInfer's run, plan-build ms of each
+    (``plan_only``: the plan builds alone)."""
     w = bench.WORKLOADS[name]
     inp = bench.make_inputs(w, torch.Generator().manual_seed(0), device)
     row = {"workload": name, "cta_tile_q": inp.plan.cta_tile_q}
+    if not plan_only:
+        row.update(call_costs(w, inp, device, flashinfer))
+    row.update(plan_costs(w, inp, device, flashinfer))
+    return row
+
+
+def call_costs(w, inp, device, flashinfer: tuple[str, ...]) -> dict:
+    """Host µs per call of each wrapper and of FlashInfer's run, measured interleaved."""
+    row = {}
     kv = torch.randn(inp.plan.total_tokens, bench.HKV, bench.HEAD_DIM, dtype=torch.bfloat16, device=device)
     calls = {
         f"prefill_{backend}_us": (lambda b=backend: pw.batch_prefill_paged_window(
@@ -70,45 +84,53 @@ def measure(name: str, device: torch.device, flashinfer: bool) -> dict:
         inp.q, inp.pool, inp.layout, 0, inp.plan, sm_scale=bench.SM_SCALE, window_left=w.window_left,
         backend="cuda")
     calls["append_us"] = lambda: pw.append_paged_kv(kv, kv, inp.pool, inp.layout, 0, inp.plan, backend="cuda")
-    if flashinfer:
-        for backend in ("fa2", "fa3"):
-            try:
-                calls[f"flashinfer_{backend}_run_us"] = bench.MAKERS[f"flashinfer_{backend}"](w, inp)[0]
-            except Exception as exc:  # a peer that fails is reported, not dropped
-                row[f"flashinfer_{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    for backend in flashinfer:
+        try:
+            calls[f"flashinfer_{backend}_run_us"] = bench.MAKERS[f"flashinfer_{backend}"](w, inp)[0]
+        except Exception as exc:  # a peer that fails is reported, not dropped
+            row[f"flashinfer_{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
     row.update(host_us_per_call(calls))
+    return row
+
+
+def plan_costs(w, inp, device, flashinfer: tuple[str, ...]) -> dict:
+    """Host ms of building the plan, every form measured interleaved round by round: from_csr (a new plan),
+    update_csr (CPU and CUDA inputs), the per-request list form, FlashInfer's plan (CUDA arrays, and host
+    indptrs)."""
     kwargs = bench.plan_kwargs(w)
     plan = inp.plan
-    row["from_csr_ms"] = host_ms(lambda: pw.PrefillPagedPlan.from_csr(*inp.csr, **kwargs, device=device))
-    row["update_csr_ms"] = host_ms(lambda: plan.update_csr(*inp.csr, **kwargs))
     cuda_csr = bench.Csr(*(t.to(device) for t in inp.csr))
-    row["update_csr_cuda_inputs_ms"] = host_ms(lambda: plan.update_csr(*cuda_csr, **kwargs))
+    host_indptr = inp.csr._replace(kv_indices=cuda_csr.kv_indices)
     lists = ([list(p) for p in plan.pages], plan.last_page_len.tolist(), list(plan.start_positions),
              list(plan.seq_lens))
-    row["batch_lists_ms"] = host_ms(lambda: pw.PrefillPagedPlan.batch(*lists, **kwargs, device=device), 20)
-    if flashinfer:
-        host_indptr = inp.csr._replace(kv_indices=cuda_csr.kv_indices)
-        for backend in ("fa2", "fa3"):
-            try:
-                wrapper = bench._flashinfer_wrapper(backend, device)
-                row[f"flashinfer_{backend}_plan_ms"] = host_ms(
-                    lambda wr=wrapper: bench._flashinfer_plan(wr, cuda_csr, w))
-                row[f"flashinfer_{backend}_plan_host_indptr_ms"] = host_ms(
-                    lambda wr=wrapper: bench._flashinfer_plan(wr, host_indptr, w))
-            except Exception as exc:  # a peer that fails is reported, not dropped
-                row[f"flashinfer_{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    fns = {"from_csr_ms": lambda: pw.PrefillPagedPlan.from_csr(*inp.csr, **kwargs, device=device),
+           "update_csr_ms": lambda: plan.update_csr(*inp.csr, **kwargs),
+           "update_csr_cuda_inputs_ms": lambda: plan.update_csr(*cuda_csr, **kwargs),
+           "batch_lists_ms": lambda: pw.PrefillPagedPlan.batch(*lists, **kwargs, device=device)}
+    row = {}
+    for backend in flashinfer:
+        try:
+            wrapper = bench._flashinfer_wrapper(backend, device)
+            bench._flashinfer_plan(wrapper, cuda_csr, w)  # builds its module on first use
+            fns[f"flashinfer_{backend}_plan_ms"] = lambda wr=wrapper: bench._flashinfer_plan(wr, cuda_csr, w)
+            fns[f"flashinfer_{backend}_plan_host_indptr_ms"] = \
+                lambda wr=wrapper: bench._flashinfer_plan(wr, host_indptr, w)
+        except Exception as exc:  # a peer that fails is reported, not dropped
+            row[f"flashinfer_{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+    row.update(host_ms(fns))
     return row
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--json", default=None)
-    parser.add_argument("--no-flashinfer", action="store_true")
+    parser.add_argument("--flashinfer", nargs="*", default=["fa2", "fa3"], help="FlashInfer backends to time")
+    parser.add_argument("--plan-only", action="store_true", help="time plan builds only")
     args = parser.parse_args()
     device = torch.device("cuda")
     rows = []
     for name in WORKLOADS:
-        rows.append(measure(name, device, not args.no_flashinfer))
+        rows.append(measure(name, device, tuple(args.flashinfer), args.plan_only))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     if args.json:

@@ -147,18 +147,25 @@ def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
 
-def _check_indptr(name: str, indptr: np.ndarray, batch: int, item: str) -> np.ndarray:
-    """``indptr`` [batch+1] starts at 0 and never decreases; returns the per-request counts [batch]."""
+def _check_indptr(name: str, indptr: np.ndarray, batch: int, item: str, minimum: int = 0) -> np.ndarray:
+    """``indptr`` [batch+1] starts at 0 and grows by at least ``minimum`` per request; returns the per-request
+    counts [batch]."""
     if len(indptr) != batch + 1:
         raise PagedWindowError(f"{name} has {len(indptr)} entries; last_page_len has {batch}, so it needs {batch + 1}")
     if indptr[0] != 0:
         raise PagedWindowError(f"{name}[0] = {int(indptr[0])} must be 0")
     counts = indptr[1:] - indptr[:-1]  # [batch]
-    if counts.min() < 0:
+    low = int(counts.min())
+    if low < 0:
         i = _first(counts < 0)
         raise PagedWindowError(f"{name} decreases at request {i}: {name}[{i}] = {int(indptr[i])} > "
                                f"{name}[{i + 1}] = {int(indptr[i + 1])} (negative {item})")
-    checked_i32(f"{name}[-1]", int(indptr[-1]))
+    if low < minimum:
+        i = _first(counts < minimum)
+        raise PagedWindowError(f"request {i} has no pages ({name}[{i}] = {name}[{i + 1}] = {int(indptr[i])}); "
+                               f"every request needs at least one page")
+    if indptr[-1] > INT32_MAX:
+        raise PagedWindowError(f"{name}[-1] = {int(indptr[-1])} does not fit in int32 (bound {INT32_MAX})")
     return counts
 
 
@@ -279,11 +286,7 @@ def _state_from_csr(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np
     kv_indptr = kv_indptr.astype(np.int64, copy=False)
     last_page_len = last_page_len.astype(np.int64, copy=False)
     seq = _check_indptr("qo_indptr", qo_indptr, batch, "seq_len")  # [batch]
-    num_pages = _check_indptr("kv_indptr", kv_indptr, batch, "page count")  # [batch]
-    if num_pages.min() < 1:
-        i = _first(num_pages < 1)
-        raise PagedWindowError(f"request {i} has no pages (kv_indptr[{i}] = kv_indptr[{i + 1}] = "
-                               f"{int(kv_indptr[i])}); every request needs at least one page")
+    num_pages = _check_indptr("kv_indptr", kv_indptr, batch, "page count", minimum=1)  # [batch]
     total_pages = int(kv_indptr[-1])
     if total_pages > len(kv_indices):
         raise PagedWindowError(f"kv_indptr[-1] = {total_pages} but kv_indices has only {len(kv_indices)} entries")
@@ -296,12 +299,13 @@ def _state_from_csr(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np
         raise PagedWindowError(f"page id {page_name(flat, kv_indptr)} = {value} {bound}")
     page_ids = pages.astype(np.int32)  # [total_pages] the plan's own copy
     page_size = heads.page_size
-    if last_page_len.min() < 1 or last_page_len.max() > page_size:
+    max_last = int(last_page_len.max())
+    if last_page_len.min() < 1 or max_last > page_size:
         i = _first((last_page_len < 1) | (last_page_len > page_size))
         raise PagedWindowError(f"last_page_len[{i}] = {int(last_page_len[i])} is outside 1..{page_size} "
                                f"(page_size {page_size})")
     kv_len = (num_pages - 1) * page_size + last_page_len  # [batch] int64
-    if kv_len.max() > INT32_MAX:
+    if total_pages * page_size > INT32_MAX and kv_len.max() > INT32_MAX:  # every kv_len <= total_pages * page_size
         i = _first(kv_len > INT32_MAX)
         raise PagedWindowError(f"kv_len of request {i} = {int(kv_len[i])} does not fit in int32 (bound {INT32_MAX})")
     start = kv_len - seq  # [batch]
@@ -321,7 +325,7 @@ def _state_from_csr(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np
         page_size=page_size, cta_tile_q=tile, page_indices=page_ids, page_indptr=kv_indptr.astype(np.int32),
         last_page_len=last_page_len.astype(np.int32), qo_indptr=qo_indptr.astype(np.int32),
         request_indices=request_indices, qo_tile_indices=qo_tile_indices, start_positions=start.astype(np.int32),
-        max_page_index=high, max_last_page_len=int(last_page_len.max()), batch_size=batch,
+        max_page_index=high, max_last_page_len=max_last, batch_size=batch,
         total_tokens=total_tokens, total_pages=total_pages, num_tiles=len(request_indices),
     )
     for array in (state.page_indices, state.page_indptr, state.last_page_len, state.qo_indptr,

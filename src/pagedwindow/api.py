@@ -116,6 +116,15 @@ def _check_plan_against_pool(what: str, plan, geometry: PagedGeometry) -> None:
         )
 
 
+def _plan_on_pool(what: str, plan, layout, pool, layer):
+    """A filled plan whose recorded bounds fit the checked pool; returns (the plan's state, the geometry)."""
+    _check_plan(what, plan)
+    state = plan.state
+    geometry = _pool_geometry(what, layout, pool, layer, state.head_dim, state.num_kv_heads)
+    _check_plan_against_pool(what, state, geometry)
+    return state, geometry
+
+
 def _check_rows(what: str, name: str, t, *, rows: int, tail: tuple[int, ...], pool: torch.Tensor,
                 dtype: torch.dtype | None = None) -> None:
     """``t`` is a contiguous tensor ``[>= rows, *tail]`` on the pool's device with the pool's dtype."""
@@ -178,10 +187,7 @@ def batch_prefill_paged_window(q: torch.Tensor, pool: torch.Tensor, layout: Page
     what = "batch_prefill_paged_window"
     sm_scale = check_sm_scale(sm_scale)
     window_left = check_window_left(window_left)
-    _check_plan(what, plan)
-    state = plan.state
-    geometry = _pool_geometry(what, layout, pool, layer, state.head_dim, state.num_kv_heads)
-    _check_plan_against_pool(what, state, geometry)
+    state, geometry = _plan_on_pool(what, plan, layout, pool, layer)
     rows = state.total_tokens
     tail = (state.num_qo_heads, state.head_dim)
     _check_rows(what, "q", q, rows=rows, tail=tail, pool=pool)
@@ -216,10 +222,7 @@ def append_paged_kv(k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, layout
     last-page length must fit the pool. A plan with no new rows returns at once (after the checks).
     """
     what = "append_paged_kv"
-    _check_plan(what, plan)
-    state = plan.state
-    geometry = _pool_geometry(what, layout, pool, layer, state.head_dim, state.num_kv_heads)
-    _check_plan_against_pool(what, state, geometry)
+    state, geometry = _plan_on_pool(what, plan, layout, pool, layer)
     rows = state.total_tokens
     tail = (state.num_kv_heads, state.head_dim)
     _check_rows(what, "k", k, rows=rows, tail=tail, pool=pool)

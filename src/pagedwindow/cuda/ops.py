@@ -103,6 +103,16 @@ _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _raw_stream
 _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
+def _launch_on(device: torch.device, launcher, block) -> int:
+    """Call ``launcher(&block, stream)`` with ``device`` current (launchers launch on the current device) and
+    its current stream; returns the launcher's status."""
+    index = device.index
+    if index == _current_device():
+        return launcher(ctypes.byref(block), _current_raw_stream(index))
+    with torch.cuda.device(index):
+        return launcher(ctypes.byref(block), _current_raw_stream(index))
+
+
 def _check(code: int, name: str, error_string) -> None:
     if code != 0:
         raise RuntimeError(f"{name} failed with code {code}: {error_string(code).decode()}")
@@ -141,14 +151,8 @@ def launch_prefill(block: PrefillLaunch, q: torch.Tensor, pool: torch.Tensor, ou
     block.lse = lse.data_ptr() if lse is not None else None
     block.k_offset, block.v_offset, block.page_stride = k_offset, v_offset, page_stride
     block.sm_scale, block.window_left = sm_scale, window_left
-    device = q.device
-    index = device.index
-    lib = _by_device.get(index) or library(device)
-    if index == _current_device():
-        code = lib.prefill(ctypes.byref(block), _current_raw_stream(index))
-    else:
-        with torch.cuda.device(index):  # the launcher launches on the current device
-            code = lib.prefill(ctypes.byref(block), _current_raw_stream(index))
+    lib = _by_device.get(q.device.index) or library(q.device)
+    code = _launch_on(q.device, lib.prefill, block)
     if code != 0:
         _check(code, lib.prefill.__name__, lib.pw_prefill_hd256_error_string)  # one status table for both
 
@@ -159,14 +163,8 @@ def launch_append(block: AppendLaunch, k: torch.Tensor, v: torch.Tensor, pool: t
     block.k, block.v, block.pool = k.data_ptr(), v.data_ptr(), pool.data_ptr()
     block.k_offset, block.v_offset, block.page_stride = k_offset, v_offset, page_stride
     block.elem_bytes = k.element_size()
-    device = k.device
-    index = device.index
-    lib = _by_device.get(index) or library(device)
-    if index == _current_device():
-        code = lib.pw_append_paged_kv(ctypes.byref(block), _current_raw_stream(index))
-    else:
-        with torch.cuda.device(index):
-            code = lib.pw_append_paged_kv(ctypes.byref(block), _current_raw_stream(index))
+    lib = _by_device.get(k.device.index) or library(k.device)
+    code = _launch_on(k.device, lib.pw_append_paged_kv, block)
     if code != 0:
         _check(code, "pw_append_paged_kv", lib.pw_append_paged_kv_error_string)
 

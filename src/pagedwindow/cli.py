@@ -1,23 +1,37 @@
-"""``pagedwindow`` command line: ``report`` (oracle notebooks rendered to HTML) and ``bench`` (GPU benchmark)."""
+"""The ``pagedwindow`` command: ``report``, ``bench`` and ``doctor``.
+
+Exit codes: 0 success, 1 a gate failed (``report``), 2 a usage error (one line on stderr, no traceback).
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
+EXIT_USAGE = 2
+DESCRIPTION = ("Sliding-window paged attention at head_dim 256 (Gemma 4's local layers). Run the oracle notebooks "
+               "as an HTML report, benchmark against peers on a GPU, or check what would run on this machine.")
+EPILOG = "exit codes: 0 success, 1 a gate failed (report), 2 a usage error"
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagedwindow", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
 
-    report = sub.add_parser("report", help="run the oracle notebooks through papermill and render HTML")
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(prog="pagedwindow", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=f"pagedwindow {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{report,bench,doctor}")
+
+    text = "run the oracle notebooks through papermill and render an HTML report"
+    report = sub.add_parser("report", help=text, description=text[0].upper() + text[1:] + ".", epilog=EPILOG)
     report.add_argument("--params", default="default",
                         help="parameter set: a name in notebooks/params (smoke, default, gemma4_12b) or a YAML path")
     report.add_argument("--out", default=None, help="report directory (default: reports/<params>)")
-    report.add_argument("--notebooks", nargs="*", default=None, help="notebook names to run (default: all)")
+    report.add_argument("--notebooks", nargs="*", default=None,
+                        help="notebooks to run: stems, file names or unique prefixes such as 02 (default: all)")
 
-    bench = sub.add_parser("bench", help="time pagedwindow against its peers on the Gemma-4 workloads (GPU): "
-                                         "end-to-end, kernel and plan time")
+    text = "time pagedwindow against its peers on the Gemma-4 workloads (needs a CUDA GPU)"
+    bench = sub.add_parser("bench", help=text, epilog=EPILOG,
+                           description=text[0].upper() + text[1:] + ": end-to-end, kernel and plan time.")
     bench.add_argument("--out", default="benchmarks/results",
                        help="directory for <gpu>-<date>[-label].json, its table and plots")
     bench.add_argument("--workloads", nargs="*", default=None, help="workload names (default: all)")
@@ -25,18 +39,128 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--sweep", action="store_true", help="also sweep kv length and window")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     bench.add_argument("--cta-tile-q", type=int, default=None,
-                       help="force the plans' query tile (16, 64, 128; default: each plan's own choice)")
-    bench.add_argument("--label", default=None, help="suffix of the result files (a kernel variant's name)")
+                       help="force the plans' query tile (16, 64 or 128; default: each plan's own choice)")
+    bench.add_argument("--label", default=None,
+                       help="suffix of the result file names, e.g. a kernel variant (letters, digits, . _ -)")
 
-    args = parser.parse_args(argv)
-    if args.command == "report":
-        from .report import run_report
+    text = "print what would run on this machine and why (builds nothing)"
+    sub.add_parser("doctor", help=text, description=text[0].upper() + text[1:] + ".")
+    return parser
 
-        return run_report(params=args.params, out=args.out, notebooks=args.notebooks)
-    from .bench import run_bench
 
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "doctor":
+        return doctor()
+    from .report import ReportUsageError
+
+    try:
+        if args.command == "report":
+            from .report import run_report
+
+            return run_report(params=args.params, out=args.out, notebooks=args.notebooks)
+        return bench(args)
+    except ReportUsageError as exc:
+        print(f"pagedwindow {args.command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def bench(args: argparse.Namespace) -> int:
+    """Check the arguments (label, names, tile, output directory, a GPU) before measuring anything; run it."""
+    from .report import check_name, check_out_dir
+
+    if args.label is not None:
+        check_name("--label", args.label)
+    import torch
+
+    from .bench import MAKERS, WORKLOADS, run_bench
+    from .tiles import SUPPORTED_CTA_TILE_Q
+
+    for what, given, known in (("workload", args.workloads, WORKLOADS), ("system", args.systems, MAKERS)):
+        unknown = [n for n in given or () if n not in known]
+        if unknown:
+            print(f"pagedwindow bench: unknown {what}(s) {unknown}; known: {', '.join(known)}", file=sys.stderr)
+            return EXIT_USAGE
+    if args.cta_tile_q is not None and args.cta_tile_q not in SUPPORTED_CTA_TILE_Q:
+        print(f"pagedwindow bench: --cta-tile-q {args.cta_tile_q} is not one of {SUPPORTED_CTA_TILE_Q}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    out = check_out_dir(args.out)
+    if not torch.cuda.is_available():
+        print("pagedwindow bench: needs a CUDA GPU; none is available", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        out.mkdir(parents=True, exist_ok=True)  # fail now, not after the measurements
+    except OSError as exc:
+        print(f"pagedwindow bench: output directory {out}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
     return run_bench(out=args.out, workloads=args.workloads, systems=args.systems, sweep=args.sweep,
                      quick=args.quick, cta_tile_q=args.cta_tile_q, label=args.label)
+
+
+def doctor() -> int:
+    """Print versions, the GPU, nvcc, the kernel ``backend='auto'`` would use and the cache; exit 0."""
+    import platform
+    import subprocess
+
+    import torch
+
+    from . import __version__
+
+    print(f"pagedwindow {__version__}")
+    print(f"python {platform.python_version()} ({sys.executable})")
+    print(f"torch {torch.__version__} ({f'CUDA {torch.version.cuda}' if torch.version.cuda else 'CPU-only'} build)")
+    try:
+        from .cuda import build, ops
+    except (ImportError, OSError) as exc:
+        print(f"CUDA backend: cannot be imported ({type(exc).__name__}: {exc}); backend='auto' runs the PyTorch "
+              "reference")
+        return 0
+    try:
+        nvcc = build.find_nvcc()
+    except build.BuildError as exc:
+        nvcc = None
+        print(f"nvcc: {str(exc).removeprefix('nvcc ')}")
+    else:
+        try:
+            out = build.nvcc_version(nvcc)
+            version = next((line for line in out.splitlines() if "release" in line), out.splitlines()[-1])
+        except (OSError, subprocess.SubprocessError, IndexError) as exc:
+            version = f"'nvcc --version' failed: {exc}"
+        print(f"nvcc: {nvcc} ({version.strip()})")
+    try:
+        print(f"kernel sources: {build.source_paths()[0].parent}")
+        sources = True
+    except build.BuildError as exc:
+        print(f"kernel sources: {exc}")
+        sources = False
+    print(f"kernel cache: {build.cache_root()}")
+    if not torch.cuda.is_available():
+        print("CUDA available: no")
+        print("no GPU: backend='auto' runs the PyTorch reference")
+        return 0
+    index = torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    target = build.target_for_capability(major, minor)
+    print("CUDA available: yes")
+    print(f"GPU {index}: {torch.cuda.get_device_name(index)}, compute capability {major}.{minor} (target {target})")
+    try:
+        print(f"prefill kernel for backend='auto': {ops.prefill_entry(target)}")
+    except RuntimeError as exc:  # a bad $PAGEDWINDOW_PREFILL_KERNEL
+        print(f"prefill kernel for backend='auto': {exc}")
+    if nvcc is None or not sources:
+        print("backend='auto' runs the PyTorch reference: the kernels cannot be built (see above)")
+        return 0
+    try:
+        library = build.cache_root() / f"{target}-{build.build_key(target, nvcc)}" / "libpagedwindow_kernels.so"
+    except (build.BuildError, OSError, subprocess.SubprocessError) as exc:
+        print(f"kernel library: unknown ({exc})")
+        return 0
+    if library.is_file():
+        print(f"kernel library: {library} (built; backend='auto' runs the CUDA kernels on bf16 head_dim 256)")
+    else:
+        print(f"kernel library: not built yet; the first CUDA call builds it into {library.parent}")
+    return 0
 
 
 if __name__ == "__main__":

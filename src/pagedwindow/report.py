@@ -13,7 +13,8 @@ Layout of a report directory ``reports/<name>/``:
 CSV and PNG artifacts). Nothing is written into ``notebooks/``.
 
 Exit code of :func:`run_report`: 0 when every run passed its gate; 1 when a gate failed, a notebook raised or
-wrote no ``metrics.json`` (each named on stderr); 2 for a usage error (unknown parameter set, notebook or key).
+wrote no ``metrics.json`` (each named on stderr); 2 for a usage error (unknown parameter set, notebook or key, an
+unreadable or malformed parameter file, an unsafe variant label, an unusable output directory).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -39,7 +41,30 @@ EXIT_OK, EXIT_GATE_FAILED, EXIT_USAGE = 0, 1, 2
 
 
 class ReportUsageError(Exception):
-    """A parameter set, notebook name or key that cannot be used (exit code 2)."""
+    """A parameter set, notebook name, key or output directory that cannot be used (exit code 2)."""
+
+
+SAFE_NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
+
+
+def check_name(what: str, name: str) -> str:
+    """``name`` if it is safe in a file name (1-64 of ``[A-Za-z0-9._-]``, no ``..``), else ReportUsageError."""
+    if not isinstance(name, str) or not SAFE_NAME.fullmatch(name) or ".." in name:
+        raise ReportUsageError(f"{what} {name!r} must be 1-64 characters of A-Z a-z 0-9 . _ - without '..'")
+    return name
+
+
+def check_out_dir(out: str | os.PathLike) -> Path:
+    """``out`` as a Path if it is, or can be created as, a writable directory (nothing is created here)."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise ReportUsageError(f"output directory {path} is not a directory")
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ReportUsageError(f"output directory {path}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ReportUsageError(f"output directory {path}: {existing} is not writable")
+    return path
 
 
 # -- where things are ----------------------------------------------------------------------------------------------
@@ -61,8 +86,9 @@ def resolve_params(params: str, notebooks_dir: Path) -> Path:
     path = Path(params)
     if path.suffix in (".yaml", ".yml") or path.is_file():
         if not path.is_file():
-            raise ReportUsageError(f"parameter file {path} does not exist")
+            raise ReportUsageError(f"parameter file {path} does not exist or is not a file")
         return path
+    check_name("parameter set", params)
     candidate = Path(notebooks_dir) / "params" / f"{params}.yaml"
     if not candidate.is_file():
         known = sorted(p.stem for p in (Path(notebooks_dir) / "params").glob("*.yaml"))
@@ -71,10 +97,21 @@ def resolve_params(params: str, notebooks_dir: Path) -> Path:
 
 
 def load_params(path: Path) -> dict:
-    """The YAML mapping of a parameter set (an empty file is an empty set)."""
+    """The YAML mapping of a parameter set (an empty file is an empty set); unreadable, non-UTF-8 or malformed
+    YAML is a ReportUsageError."""
     import yaml
 
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ReportUsageError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ReportUsageError(f"{path}: malformed YAML{where}: {problem}") from exc
+    except OSError as exc:
+        raise ReportUsageError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
     if not isinstance(data, dict):
         raise ReportUsageError(f"{path}: a parameter set must be a mapping, got {type(data).__name__}")
     return data
@@ -122,6 +159,8 @@ def plan_runs(data: dict, declared: dict, selected: list[str]) -> list[RunSpec]:
                                      or not all(isinstance(v, dict) for v in variants.values())):
             raise ReportUsageError(f"{stem}.{VARIANTS_KEY} must map labels to mappings of parameters")
         for label, overrides in (variants or {None: {}}).items():
+            if label is not None:  # the run's name becomes file and directory names in the report
+                check_name(f"{stem}.{VARIANTS_KEY} label", str(label))
             own = {**base, **overrides}
             bad = sorted(k for k in own if k not in declared[stem])
             if bad:
@@ -332,12 +371,18 @@ def run_report(params: str = "default", out: str | os.PathLike | None = None, no
         selected = _select(notebooks, available)
         declared = {stem: set(declared_parameters(nb_dir / f"{stem}.ipynb")) for stem in available}
         runs = plan_runs(data, declared, selected)
+        params_name = params_path.stem
+        if out is None:
+            check_name("parameter file name (the default report directory; pass --out)", params_name)
+        report_dir = check_out_dir(out if out is not None else Path("reports") / params_name)
     except ReportUsageError as exc:
         print(f"pagedwindow report: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    params_name = params_path.stem
-    report_dir = Path(out) if out is not None else Path("reports") / params_name
-    report_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        report_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"pagedwindow report: output directory {report_dir}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
     print(f"pagedwindow report: {len(runs)} run(s) with {params_path} into {report_dir}/", file=sys.stderr)
     results = []
     with _kernel_environment(nb_dir.resolve().parent):
@@ -353,7 +398,7 @@ def run_report(params: str = "default", out: str | os.PathLike | None = None, no
             print(f"[{i}/{len(runs)}] {spec.name}: {result.status.upper()} in {result.seconds:.1f} s"
                   + (f" — {result.message}" if result.message else ""), file=sys.stderr, flush=True)
     index = write_index(report_dir, results, params_name=params_name, params_path=params_path,
-                        params_text=params_path.read_text())
+                        params_text=params_path.read_text(encoding="utf-8"))
     failed = [r for r in results if not r.ok]
     print(f"pagedwindow report: {index}", file=sys.stderr)
     if failed:

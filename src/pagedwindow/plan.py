@@ -510,12 +510,8 @@ class PrefillPagedPlan:
     def _exact(cls, state: _PlanState, reason: str, device) -> PrefillPagedPlan:
         capacity = PlanCapacity.checked("", max(state.total_tokens, 1), state.total_pages, state.batch_size,
                                         max(state.num_tiles, 1))
-        plan = cls(capacity, cta_tile_q=state.cta_tile_q, tile_reason=reason)
-        plan._device = None if device is None else torch.device(device)
-        plan._commit(state)
-        cuda_device = _cuda_device(plan._device)
-        if cuda_device is not None:
-            plan._mirror(cuda_device)
+        plan = cls(capacity, cta_tile_q=state.cta_tile_q, tile_reason=reason, device=device)
+        plan._commit(state)  # uploads to the mirror the constructor made for a CUDA device
         return plan
 
     @classmethod

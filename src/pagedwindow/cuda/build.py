@@ -1,36 +1,57 @@
-"""JIT build of the CUDA kernels in ``kernels/``: plain nvcc (no torch headers), content-hashed cache.
+"""JIT build of the CUDA kernels: plain nvcc (no torch headers), a content-keyed cache that checks itself.
 
-One shared library holds every kernel. Its cache key hashes the sources, the nvcc flags, the target and nvcc's
-version, so any change rebuilds. Builds take a file lock, compile into a temporary directory and publish it with
-an atomic rename; the ptxas resource report is kept beside the library (``ptxas.txt``). The cache lives in
-``$PAGEDWINDOW_CACHE_DIR`` (default ``~/.cache/pagedwindow``); ``$PAGEDWINDOW_NVCC`` names the compiler and
-``$PAGEDWINDOW_NVCC_FLAGS`` adds flags.
+Sources come from ``$PAGEDWINDOW_KERNELS_DIR`` when set, else the installed package (``pagedwindow/kernels/``, what
+a wheel ships), else the repository's ``kernels/`` (an editable install). One shared library holds every kernel.
+
+The cache lives in ``$PAGEDWINDOW_CACHE_DIR`` (default ``~/.cache/pagedwindow``), one directory per build,
+``<target>-<key>/``: ``libpagedwindow_kernels-<sha>.so``, ``manifest.json`` (the library's name, size and sha256,
+and every input of the key) and ``ptxas.txt`` (the command and ptxas's resource report). The key hashes every
+source and header, the nvcc flags (``$PAGEDWINDOW_NVCC_FLAGS`` included), the environment nvcc reads
+(``NVCC_PREPEND_FLAGS``, ``NVCC_APPEND_FLAGS``, ``NVCC_CCBIN``), nvcc's path and version, and the target.
+
+A build takes a file lock, compiles into a staging directory (``.<target>-<key>-*``), fsyncs the library and its
+manifest there and publishes the directory with an atomic rename. A cached library is used only when its manifest
+matches (size and sha256); anything else (truncated, modified, foreign, no manifest, no library, a killed build's
+staging directory) is rebuilt. The library's name carries its hash, so a rebuilt library never aliases one this
+process has already ``dlopen``-ed. ``$PAGEDWINDOW_NVCC`` names the compiler.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import tempfile
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from filelock import FileLock
 
-KERNELS_DIR = Path(os.environ.get("PAGEDWINDOW_KERNELS_DIR", Path(__file__).resolve().parents[3] / "kernels"))
+PACKAGE_KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
+"""Where a (non-editable) install puts the sources: ``pagedwindow/kernels/``, package data of the wheel."""
+REPO_KERNELS_DIR = Path(__file__).resolve().parents[3] / "kernels"
+"""The repository's ``kernels/``, the one copy of the sources (an editable install reads it directly)."""
 SOURCES = ("prefill_hd256.cu", "prefill_hd256_sm90.cu", "append_paged_kv.cu")
-COMMON_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", "-Xptxas=-v,--warn-on-spills",
-                *os.environ.get("PAGEDWINDOW_NVCC_FLAGS", "").split())
-"""nvcc flags of every build; ``$PAGEDWINDOW_NVCC_FLAGS`` appends more (e.g. a kernel variant's -D for a benchmark);
-they are part of the cache key."""
+BASE_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", "-Xptxas=-v,--warn-on-spills")
+NVCC_ENVIRONMENT = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN")
+"""Environment variables nvcc itself reads; they change what it builds, so they are part of the cache key."""
 CI_TARGETS = ("sm_80", "sm_89", "sm_90a")
+LIBRARY_STEM = "libpagedwindow_kernels"
+MANIFEST = "manifest.json"
+CACHE_FORMAT = 2  # bump when the cache layout changes: every key changes with it
+
+T = TypeVar("T")
 
 
 class BuildError(RuntimeError):
-    """nvcc is missing or failed; the message carries its output."""
+    """nvcc or the kernel sources are missing, or nvcc failed; the message carries its output."""
 
 
 def gencode(target: str) -> str:
@@ -44,6 +65,12 @@ def target_for_capability(major: int, minor: int) -> str:
     return "sm_90a" if (major, minor) == (9, 0) else f"sm_{major}{minor}"
 
 
+def nvcc_flags() -> list[str]:
+    """The flags of every build, read now: ``BASE_FLAGS`` then ``$PAGEDWINDOW_NVCC_FLAGS`` (e.g. a kernel
+    variant's -D for a benchmark)."""
+    return [*BASE_FLAGS, *shlex.split(os.environ.get("PAGEDWINDOW_NVCC_FLAGS", ""))]
+
+
 def find_nvcc() -> str:
     candidates = [os.environ.get("PAGEDWINDOW_NVCC"), shutil.which("nvcc")]
     cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
@@ -55,11 +82,29 @@ def find_nvcc() -> str:
 
 
 def nvcc_version(nvcc: str) -> str:
-    return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise BuildError(f"{nvcc} --version failed: {exc}") from exc
+
+
+def kernels_dir() -> Path:
+    """The directory the sources are read from: ``$PAGEDWINDOW_KERNELS_DIR``, else the installed package's
+    ``kernels/``, else the repository's."""
+    override = os.environ.get("PAGEDWINDOW_KERNELS_DIR")
+    if override:
+        return Path(override)
+    for directory in (PACKAGE_KERNELS_DIR, REPO_KERNELS_DIR):
+        if all((directory / name).is_file() for name in SOURCES):
+            return directory
+    raise BuildError(f"kernel sources {SOURCES} not found in {PACKAGE_KERNELS_DIR} (installed package) or "
+                     f"{REPO_KERNELS_DIR} (repository); set PAGEDWINDOW_KERNELS_DIR")
 
 
 def source_paths() -> list[Path]:
-    paths = [KERNELS_DIR / name for name in SOURCES]
+    """The ``.cu`` files compiled into the library."""
+    directory = kernels_dir()
+    paths = [directory / name for name in SOURCES]
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         raise BuildError(f"kernel sources missing: {missing}")
@@ -70,42 +115,148 @@ def cache_root() -> Path:
     return Path(os.environ.get("PAGEDWINDOW_CACHE_DIR", Path.home() / ".cache" / "pagedwindow"))
 
 
-def build_key(target: str, nvcc: str) -> str:
+def _sha256(path: Path) -> str:
     h = hashlib.sha256()
-    for path in source_paths():
-        h.update(path.name.encode())
-        h.update(path.read_bytes())
-    for header in sorted(KERNELS_DIR.glob("*.cuh")):
-        h.update(header.name.encode())
-        h.update(header.read_bytes())
-    h.update(" ".join(COMMON_FLAGS).encode())
-    h.update(target.encode())
-    h.update(nvcc_version(nvcc).encode())
-    return h.hexdigest()[:20]
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
-def build_shared_library(target: str) -> Path:
-    """Build (or find in the cache) the kernels' shared library for ``target``; returns its path."""
-    nvcc = find_nvcc()
-    key = build_key(target, nvcc)
-    final = cache_root() / f"{target}-{key}"
-    library = final / "libpagedwindow_kernels.so"
-    if library.is_file():
-        return library
-    cache_root().mkdir(parents=True, exist_ok=True)
-    with FileLock(str(cache_root() / f"{target}-{key}.lock")):
-        if library.is_file():  # another process built it while we waited
-            return library
-        staging = Path(tempfile.mkdtemp(prefix=f".{target}-{key}-", dir=cache_root()))
-        cmd = [nvcc, *COMMON_FLAGS, gencode(target), "-shared", "-Xcompiler", "-fPIC",
-               "-o", str(staging / library.name), *map(str, source_paths())]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        (staging / "ptxas.txt").write_text(" ".join(cmd) + "\n" + proc.stdout + proc.stderr)
-        if proc.returncode != 0:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise BuildError(f"nvcc failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-        os.replace(staging, final)  # atomic publish: readers see a whole directory or none
+def build_inputs(target: str, nvcc: str) -> dict:
+    """Everything the build depends on (hashed into the key and recorded in the manifest)."""
+    directory = source_paths()[0].parent
+    files = sorted([*directory.glob("*.cu"), *directory.glob("*.cuh")])  # every source and header
+    return {"format": CACHE_FORMAT, "target": target, "nvcc": str(Path(nvcc).resolve()),
+            "nvcc_version": nvcc_version(nvcc), "flags": nvcc_flags(),
+            "environment": {name: os.environ.get(name) for name in NVCC_ENVIRONMENT},
+            "files": {p.name: _sha256(p) for p in files}}
+
+
+def _key_of(inputs: dict) -> str:
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def build_key(target: str, nvcc: str) -> str:
+    """The cache key of a build for ``target`` with ``nvcc`` (see ``build_inputs``)."""
+    return _key_of(build_inputs(target, nvcc))
+
+
+def _fsync(path: Path) -> None:
+    """fsync a file, or a directory (best effort: some file systems refuse that)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not path.is_dir():
+            raise
+    finally:
+        os.close(fd)
+
+
+def write_manifest(directory: Path, library: Path, key: str, inputs: dict) -> None:
+    """Record ``library``'s name, size and sha256 (and the build's key and inputs) in ``directory``; fsynced."""
+    manifest = {"library": library.name, "size": library.stat().st_size, "sha256": _sha256(library), "key": key,
+                "inputs": inputs}
+    with open(directory / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def verified_library(directory: Path, key: str) -> Path | None:
+    """The library in ``directory`` if its manifest is for ``key`` and its size and sha256 match; else None."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+        name = manifest["library"]
+        library = directory / name
+        if manifest["key"] != key or Path(name).name != name or library.stat().st_size != manifest["size"]:
+            return None
+        return library if _sha256(library) == manifest["sha256"] else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _compile(nvcc: str, target: str, staging: Path, key: str, inputs: dict) -> Path:
+    """Build the library into ``staging`` with its manifest and ptxas report, all fsynced; returns its path."""
+    out = staging / f"{LIBRARY_STEM}.so"
+    cmd = [nvcc, *inputs["flags"], gencode(target), "-shared", "-Xcompiler", "-fPIC", "-o", str(out),
+           *map(str, source_paths())]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    (staging / "ptxas.txt").write_text(shlex.join(cmd) + "\n" + proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise BuildError(f"nvcc failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    if not out.is_file():
+        raise BuildError(f"nvcc exited 0 but wrote no {out.name}:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    library = out.rename(staging / f"{LIBRARY_STEM}-{_sha256(out)[:16]}.so")
+    _fsync(library)
+    write_manifest(staging, library, key, inputs)
+    _fsync(staging)
     return library
+
+
+def _publish(staging: Path, final: Path) -> None:
+    """Make ``staging`` the cache entry ``final`` with an atomic rename. Whatever sits at ``final`` (a broken
+    entry) is first renamed aside, so readers see the old entry or the new one, never a half-removed one."""
+    if final.exists() or final.is_symlink():
+        aside = final.with_name(f".{final.name}-stale-{uuid.uuid4().hex[:8]}")
+        os.replace(final, aside)
+        os.replace(staging, final)
+        _remove(aside)
+    else:
+        os.replace(staging, final)
+    _fsync(final.parent)
+
+
+def build_shared_library(target: str, *, discard: Path | None = None) -> Path:
+    """The kernels' shared library for ``target``: the cached one when it verifies, else a fresh build.
+
+    ``discard`` is a library that failed to load: it is rebuilt unless another process already replaced it.
+    """
+    nvcc = find_nvcc()
+    inputs = build_inputs(target, nvcc)
+    key = _key_of(inputs)
+    root = cache_root()
+    final = root / f"{target}-{key}"
+    library = verified_library(final, key)
+    if library is not None and library != discard:
+        return library
+    root.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(root / f"{target}-{key}.lock")):
+        library = verified_library(final, key)
+        if library is not None and library != discard:  # another process built it while we waited
+            return library
+        for leftover in root.glob(f".{target}-{key}-*"):  # a killed build's: no one else builds this key now
+            _remove(leftover)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target}-{key}-", dir=root))
+        try:
+            library = _compile(nvcc, target, staging, key, inputs)
+            _publish(staging, final)
+        finally:
+            _remove(staging)  # already gone after a publish
+    return final / library.name
+
+
+def load_verified(target: str, loader: Callable[[Path], T]) -> T:
+    """``loader(build_shared_library(target))``, healing once: a library that fails to load (``OSError``, or
+    ``AttributeError`` for a missing symbol) is rebuilt and loaded again. A second failure raises ``OSError``."""
+    library = build_shared_library(target)
+    try:
+        return loader(library)
+    except (OSError, AttributeError) as first:
+        rebuilt = build_shared_library(target, discard=library)
+        try:
+            return loader(rebuilt)
+        except (OSError, AttributeError) as exc:
+            raise OSError(f"{rebuilt} does not load even after a rebuild: {exc} (before the rebuild, {library}: "
+                          f"{first})") from exc
 
 
 @dataclass(frozen=True)
@@ -144,15 +295,16 @@ def parse_ptxas_report(text: str) -> list[KernelResources]:
 def compile_for_targets(targets=CI_TARGETS, out_dir: Path | None = None) -> tuple[list[KernelResources], str]:
     """Compile every kernel to a cubin per target (the CI gate); returns the resources and the raw report."""
     nvcc = find_nvcc()
+    flags = nvcc_flags()
     out_dir = Path(out_dir or tempfile.mkdtemp(prefix="pagedwindow-gate-"))
     report, resources = [], []
     for target in targets:
         for path in source_paths():
-            cmd = [nvcc, *COMMON_FLAGS, gencode(target), "-cubin", "-o", str(out_dir / f"{path.stem}.{target}.cubin"),
+            cmd = [nvcc, *flags, gencode(target), "-cubin", "-o", str(out_dir / f"{path.stem}.{target}.cubin"),
                    str(path)]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             text = proc.stdout + proc.stderr
-            report.append(f"$ {' '.join(cmd)}\n{text}")
+            report.append(f"$ {shlex.join(cmd)}\n{text}")
             if proc.returncode != 0:
                 raise BuildError(f"nvcc failed for {path.name} on {target}:\n{text[-4000:]}")
             resources.extend(parse_ptxas_report(text))

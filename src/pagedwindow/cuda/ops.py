@@ -16,7 +16,7 @@ import threading
 
 import torch
 
-from .build import build_shared_library, target_for_capability
+from .build import load_verified, target_for_capability
 
 _lock = threading.Lock()
 _libraries: dict[str, ctypes.CDLL] = {}  # by target
@@ -88,7 +88,7 @@ def library(device: torch.device) -> ctypes.CDLL:
     with _lock:
         lib = _libraries.get(target)
         if lib is None:
-            lib = load(build_shared_library(target))
+            lib = load_verified(target, load)  # a cached library that fails to load is rebuilt once
             lib.prefill = getattr(lib, prefill_entry(target))
             _libraries[target] = lib
         _by_device[index] = lib

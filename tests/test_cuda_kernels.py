@@ -198,6 +198,37 @@ def test_cuda_graph_replay_across_every_update_equals_eager(tile):
                         num_kv_heads=hkv, head_dim=D, page_size=ps, cta_tile_q=other)
 
 
+def _live_entries(plan: pw.PrefillPagedPlan, buffer: torch.Tensor) -> list[list[int]]:
+    """The live part of each segment of a capacity-sized plan buffer (what the kernels read)."""
+    views = plan._views(buffer.cpu())
+    b, t, p = plan.batch_size, plan.num_tiles, plan.total_pages
+    return [views.scalars.tolist(), views.page_indptr[: b + 1].tolist(), views.last_page_len[:b].tolist(),
+            views.qo_indptr[: b + 1].tolist(), views.request_indices[:t].tolist(),
+            views.qo_tile_indices[:t].tolist(), views.page_indices[:p].tolist()]
+
+
+@pytest.mark.parametrize("max_tiles", [None, 64, 100_000], ids=["exact", "one-copy", "two-copies"])
+def test_every_upload_shape_fills_the_live_entries(max_tiles):
+    """An exact-size plan uploads its packed block; a preallocated one copies header, tiles and pages in one copy
+    when the unused tile entries between them are few, else in two. After each of a sequence of updates the
+    device buffer's live entries equal the plan's state (and the CPU buffer's)."""
+    kwargs = dict(num_qo_heads=16, num_kv_heads=8, head_dim=D, page_size=16)
+    batches = [([[3, 4]], [16], [17], [15]), ([[9], [1, 2, 5]], [4, 16], [0, 40], [4, 8]),
+               ([[7, 8, 10]], [1], [0], [33])]
+    if max_tiles is None:
+        plans = [pw.PrefillPagedPlan.batch(*b, **kwargs, cta_tile_q=16, device="cuda") for b in batches]
+    else:
+        plan = pw.PrefillPagedPlan.preallocated(max_total_tokens=64, max_total_pages=32, max_batch=4,
+                                                max_tiles=max_tiles, cta_tile_q=16, device="cuda")
+        plans = [plan] * len(batches)
+    for plan, b in zip(plans, batches):
+        if max_tiles is not None:
+            plan.update(*b, **kwargs)
+        got = _live_entries(plan, plan.device_buffer("cuda"))
+        assert got == _live_entries(plan, plan.device_buffer("cpu"))
+        assert got[6] == [x for pages in b[0] for x in pages] and got[0][0] == len(b[3])
+
+
 def test_update_does_not_wait_for_the_gpu():
     """An update while a long kernel runs returns without synchronising (pinned staging, async copy), and the
     launch that follows on the stream reads the new plan."""

@@ -47,6 +47,12 @@ def int_array(what: str, values) -> np.ndarray:
     or a sequence of ints. Refuses bools, floats, nested or ragged input and values past int64, naming ``what``
     and the first offending index. A tensor or array may be shared, not copied: callers copy what they keep."""
     if isinstance(values, torch.Tensor):
+        try:
+            array = values.numpy()  # the common case: a CPU integer tensor that does not require grad
+        except (TypeError, RuntimeError):
+            array = None
+        if array is not None and array.ndim == 1 and array.dtype.kind in "iu":
+            return array
         if values.dim() != 1:
             raise PagedWindowError(f"{what} must be one-dimensional, got shape {tuple(values.shape)}")
         if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:

@@ -19,8 +19,8 @@ Rules, each checked with vectorised array operations (no Python loop over pages 
 
 Device mirrors: a plan used on a GPU keeps one capacity-sized int32 buffer there whose address never changes
 (CUDA-graph replay reads it in place). Each update writes the live parts into a pinned staging buffer and
-copies them asynchronously on the current stream, in two copies (the batch-sized header with the tile list, and
-the live page ids): no host synchronisation, nothing of the page capacity beyond the live pages. Updates and
+copies them asynchronously on the current stream, normally in one copy (the batch-sized header, the tile list
+and the live page ids): no host synchronisation, nothing of the page capacity beyond the live pages. Updates and
 launches of one plan belong on one stream (the copies are ordered on it). Segment order in the buffer: ``scalars``
 (``batch_size, total_tokens, num_tiles``) first, then ``page_indptr``, ``last_page_len``, ``qo_indptr``,
 ``request_indices``, ``qo_tile_indices``, ``page_indices``, each at capacity.
@@ -109,15 +109,16 @@ def _segment_offsets(cap: PlanCapacity) -> tuple[int, ...]:
     return tuple(sum(sizes[:i]) for i in range(len(sizes)))
 
 
-@dataclass(frozen=True, eq=False)
-class _PlanState:
-    """One validated plan: every array the kernels read plus the scalars the wrappers check."""
+class _PlanState(NamedTuple):
+    """One validated plan: every array the kernels read plus the scalars the wrappers check. Immutable (a tuple;
+    its arrays are read-only); compared by identity."""
 
     num_qo_heads: int
     num_kv_heads: int
     head_dim: int
     page_size: int
     cta_tile_q: int
+    packed: np.ndarray  # [3 + 3 * batch + 2 + 2 * num_tiles + total_pages] int32: every segment, exactly full
     page_indices: np.ndarray  # [total_pages] int32
     page_indptr: np.ndarray  # [batch + 1] int32
     last_page_len: np.ndarray  # [batch] int32
@@ -139,6 +140,10 @@ class _PlanState:
                                    ("num_tiles", self.num_tiles, cap.max_tiles)):
             if value > bound:
                 raise PagedWindowError(f"update: {name} = {value} exceeds the plan's capacity {bound}")
+
+    __eq__ = object.__eq__  # a tuple of arrays has no useful value equality
+    __ne__ = object.__ne__
+    __hash__ = object.__hash__
 
 
 # -- validation: CSR arrays in, a _PlanState out ----------------------------------------------------------------
@@ -176,10 +181,13 @@ def _check_shared_pages(pages: np.ndarray, top: int, page_indptr: np.ndarray, st
     total = len(pages)
     if total < 2:
         return
+    pages = pages.astype(np.intp, copy=False)  # [total] (fancy indexing is fastest with native indices)
     if top < max(4 * total, 1 << 20):
-        seen = np.bincount(pages)  # [top + 1] uses of each page id
-        if seen.max() < 2:
+        used = np.zeros(top + 1, dtype=np.bool_)  # [top + 1]
+        used[pages] = True
+        if np.count_nonzero(used) == total:
             return  # every page id is used once: nothing is shared
+        seen = np.bincount(pages)  # [top + 1] uses of each page id
         shared = seen[pages] > 1  # [total]
     else:  # sparse ids: a sort instead of a counting table
         order = np.argsort(pages, kind="stable")
@@ -230,16 +238,34 @@ def _check_shared_pages(pages: np.ndarray, top: int, page_indptr: np.ndarray, st
                                    f"{int(page[a])} slot {int(first_new[b])}")
 
 
-def _tiles(seq: np.ndarray, group: int, tile: int) -> tuple[np.ndarray, np.ndarray]:
+def _tiles(seq: np.ndarray, group: int, tile: int, total_tokens: int) -> tuple[np.ndarray, np.ndarray]:
     """``request_indices`` and ``qo_tile_indices`` [num_tiles]: request i gets ceil(seq_i * group / tile)."""
+    batch = len(seq)
+    if total_tokens == batch and group <= tile and seq.min() == 1:  # one row per request (decode): one tile each
+        return _arange(batch), _zeros(batch)
     per_request = -(-(seq * group) // tile)  # [batch]
-    if per_request.max() <= 1 and per_request.min() == 1:  # one tile per request (decode, short prompts)
-        return np.arange(len(seq), dtype=np.int32), np.zeros(len(seq), dtype=np.int32)
+    if per_request.max() <= 1 and per_request.min() == 1:  # one tile per request (short prompts)
+        return _arange(batch), _zeros(batch)
     num_tiles = checked_i32("num_tiles", int(per_request.sum()))
-    request_indices = np.repeat(np.arange(len(seq), dtype=np.int32), per_request)  # [num_tiles]
+    request_indices = np.repeat(_arange(batch), per_request)  # [num_tiles]
     first = np.cumsum(per_request) - per_request  # [batch] first tile of each request
     qo_tile_indices = (np.arange(num_tiles) - np.repeat(first, per_request)).astype(np.int32)  # [num_tiles]
     return request_indices, qo_tile_indices
+
+
+@functools.lru_cache(maxsize=16)
+def _arange(n: int) -> np.ndarray:
+    """``0 .. n-1`` as a read-only int32 array (shared: callers only read it)."""
+    values = np.arange(n, dtype=np.int32)
+    values.flags.writeable = False
+    return values
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros(n: int) -> np.ndarray:
+    values = np.zeros(n, dtype=np.int32)
+    values.flags.writeable = False
+    return values
 
 
 def _check_tile(cta_tile_q) -> int:
@@ -259,9 +285,20 @@ class _Heads:
 
     @staticmethod
     def checked(num_qo_heads, num_kv_heads, head_dim, page_size) -> _Heads:
+        key = (num_qo_heads, num_kv_heads, head_dim, page_size)
+        plain = all(type(x) is int for x in key)  # bools compare equal to ints and other types may not hash
+        heads = _checked_heads.get(key) if plain else None
+        if heads is not None:
+            return heads
         group = check_head_relation(num_qo_heads, num_kv_heads)  # first: nothing has divided yet
-        return _Heads(int(num_qo_heads), int(num_kv_heads), group, checked_i32("head_dim", head_dim, minimum=1),
-                      checked_i32("page_size", page_size, minimum=1))
+        heads = _Heads(int(num_qo_heads), int(num_kv_heads), group, checked_i32("head_dim", head_dim, minimum=1),
+                       checked_i32("page_size", page_size, minimum=1))
+        if plain and len(_checked_heads) < 64:
+            _checked_heads[key] = heads
+        return heads
+
+
+_checked_heads: dict[tuple, _Heads] = {}  # plain-int arguments -> their checked _Heads
 
 
 def _csr_page_name(flat: int, kv_indptr: np.ndarray) -> str:
@@ -273,38 +310,53 @@ def _request_page_name(flat: int, kv_indptr: np.ndarray) -> str:
     return f"page_indices[{r}][{flat - int(kv_indptr[r])}]"
 
 
+def _packed_offsets(batch: int, num_tiles: int) -> tuple[int, ...]:
+    """First entry of each buffer segment when every segment is exactly full (an exact-size plan's buffer)."""
+    return _segment_offsets(PlanCapacity(0, 0, batch, num_tiles))
+
+
 def _state_from_csr(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np.ndarray,
                     last_page_len: np.ndarray, heads: _Heads, tile: int | None, device,
                     page_name=_csr_page_name) -> tuple[_PlanState, str]:
     """Validate CSR arrays (any integer dtype) and derive the plan; ``tile`` None asks the policy. Returns
-    (state, tile reason). ``page_name(flat index, kv_indptr)`` names a page id in error messages."""
+    (state, tile reason). ``page_name(flat index, kv_indptr)`` names a page id in error messages.
+
+    Each rule is first checked in one vectorised pass over everything it covers; only a failing pass re-runs the
+    detailed check that names the offending entry."""
     batch = len(last_page_len)
     if batch == 0:
         raise PagedWindowError("a plan needs at least one request; last_page_len is empty")
     checked_i32("batch_size", batch)
-    qo_indptr = qo_indptr.astype(np.int64, copy=False)
-    kv_indptr = kv_indptr.astype(np.int64, copy=False)
-    last_page_len = last_page_len.astype(np.int64, copy=False)
-    seq = _check_indptr("qo_indptr", qo_indptr, batch, "seq_len")  # [batch]
-    num_pages = _check_indptr("kv_indptr", kv_indptr, batch, "page count", minimum=1)  # [batch]
-    total_pages = int(kv_indptr[-1])
+    if len(qo_indptr) != batch + 1 or len(kv_indptr) != batch + 1:
+        _check_indptr("qo_indptr", qo_indptr.astype(np.int64, copy=False), batch, "seq_len")
+        _check_indptr("kv_indptr", kv_indptr.astype(np.int64, copy=False), batch, "page count", minimum=1)
+    indptr = np.empty((2, batch + 1), dtype=np.int64)  # [2, batch + 1]: qo_indptr, kv_indptr
+    indptr[0] = qo_indptr
+    indptr[1] = kv_indptr
+    counts = indptr[:, 1:] - indptr[:, :-1]  # [2, batch]: seq_len, page count
+    low = counts.min(axis=1)  # [2]
+    if indptr[0, 0] or indptr[1, 0] or low[0] < 0 or low[1] < 1 or indptr[:, -1].max() > INT32_MAX:
+        _check_indptr("qo_indptr", indptr[0], batch, "seq_len")
+        _check_indptr("kv_indptr", indptr[1], batch, "page count", minimum=1)
+    seq, num_pages = counts  # [batch] each
+    total_tokens, total_pages = int(indptr[0, -1]), int(indptr[1, -1])
     if total_pages > len(kv_indices):
         raise PagedWindowError(f"kv_indptr[-1] = {total_pages} but kv_indices has only {len(kv_indices)} entries")
     pages = kv_indices[:total_pages]  # [total_pages] the caller's dtype
-    low, high = int(pages.min()), int(pages.max())
-    if low < 0 or high > INT32_MAX:
+    low_id, high = int(pages.min()), int(pages.max())
+    if low_id < 0 or high > INT32_MAX:
         flat = _first((pages < 0) | (pages > INT32_MAX))
         value = int(pages[flat])
         bound = "is below its minimum 0" if value < 0 else f"does not fit in int32 (bound {INT32_MAX})"
-        raise PagedWindowError(f"page id {page_name(flat, kv_indptr)} = {value} {bound}")
-    page_ids = pages.astype(np.int32)  # [total_pages] the plan's own copy
+        raise PagedWindowError(f"page id {page_name(flat, indptr[1])} = {value} {bound}")
     page_size = heads.page_size
-    max_last = int(last_page_len.max())
-    if last_page_len.min() < 1 or max_last > page_size:
-        i = _first((last_page_len < 1) | (last_page_len > page_size))
-        raise PagedWindowError(f"last_page_len[{i}] = {int(last_page_len[i])} is outside 1..{page_size} "
+    last = last_page_len.astype(np.int64, copy=False)  # [batch]
+    min_last, max_last = int(last.min()), int(last.max())
+    if min_last < 1 or max_last > page_size:
+        i = _first((last < 1) | (last > page_size))
+        raise PagedWindowError(f"last_page_len[{i}] = {int(last[i])} is outside 1..{page_size} "
                                f"(page_size {page_size})")
-    kv_len = (num_pages - 1) * page_size + last_page_len  # [batch] int64
+    kv_len = (num_pages - 1) * page_size + last  # [batch] int64
     if total_pages * page_size > INT32_MAX and kv_len.max() > INT32_MAX:  # every kv_len <= total_pages * page_size
         i = _first(kv_len > INT32_MAX)
         raise PagedWindowError(f"kv_len of request {i} = {int(kv_len[i])} does not fit in int32 (bound {INT32_MAX})")
@@ -313,24 +365,35 @@ def _state_from_csr(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np
         i = _first(start < 0)
         raise PagedWindowError(f"request {i} has seq_len {int(seq[i])} new rows but only kv_len {int(kv_len[i])} "
                                f"keys (seq_len must be <= kv_len)")
-    total_tokens = int(qo_indptr[-1])
     checked_i32("packed rows (total_tokens * group)", total_tokens * heads.group)
-    _check_shared_pages(page_ids, high, kv_indptr, start, kv_len, page_size, page_name)
+    _check_shared_pages(pages, high, indptr[1], start, kv_len, page_size, page_name)
     reason = "explicit"
     if tile is None:
-        tile, reason = tile_for_batch(seq, heads.group, heads.num_kv_heads, device)
-    request_indices, qo_tile_indices = _tiles(seq, heads.group, tile)
+        tile, reason = tile_for_batch(seq, heads.group, heads.num_kv_heads, device, total_tokens=total_tokens)
+    request_indices, qo_tile_indices = _tiles(seq, heads.group, tile, total_tokens)
+    num_tiles = len(request_indices)
+    # One int32 block in the buffer's segment order, exactly full: the state's arrays are views of it, and it is
+    # what an exact-size plan uploads as it is.
+    o = _packed_offsets(batch, num_tiles)
+    packed = np.empty(o[6] + total_pages, dtype=np.int32)  # [entries]
+    packed[:3] = (batch, total_tokens, num_tiles)
+    packed[o[1]: o[2]] = indptr[1]
+    packed[o[2]: o[3]] = last
+    packed[o[3]: o[4]] = indptr[0]
+    packed[o[4]: o[5]] = request_indices
+    packed[o[5]: o[6]] = qo_tile_indices
+    packed[o[6]:] = pages
+    packed.flags.writeable = False  # views taken below are read-only too
+    start_positions = start.astype(np.int32)  # [batch]
+    start_positions.flags.writeable = False
     state = _PlanState(
         num_qo_heads=heads.num_qo_heads, num_kv_heads=heads.num_kv_heads, head_dim=heads.head_dim,
-        page_size=page_size, cta_tile_q=tile, page_indices=page_ids, page_indptr=kv_indptr.astype(np.int32),
-        last_page_len=last_page_len.astype(np.int32), qo_indptr=qo_indptr.astype(np.int32),
-        request_indices=request_indices, qo_tile_indices=qo_tile_indices, start_positions=start.astype(np.int32),
+        page_size=page_size, cta_tile_q=tile, packed=packed, page_indices=packed[o[6]:],
+        page_indptr=packed[o[1]: o[2]], last_page_len=packed[o[2]: o[3]], qo_indptr=packed[o[3]: o[4]],
+        request_indices=packed[o[4]: o[5]], qo_tile_indices=packed[o[5]: o[6]], start_positions=start_positions,
         max_page_index=high, max_last_page_len=max_last, batch_size=batch,
-        total_tokens=total_tokens, total_pages=total_pages, num_tiles=len(request_indices),
+        total_tokens=total_tokens, total_pages=total_pages, num_tiles=num_tiles,
     )
-    for array in (state.page_indices, state.page_indptr, state.last_page_len, state.qo_indptr,
-                  state.request_indices, state.qo_tile_indices, state.start_positions):
-        array.flags.writeable = False
     return state, reason
 
 
@@ -384,54 +447,72 @@ def _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, 
 # -- device mirrors ---------------------------------------------------------------------------------------------
 
 class _DeviceMirror:
-    """A plan's capacity-sized buffer on one GPU, its pinned staging twin, and the event of the last upload."""
+    """A plan's capacity-sized buffer on one GPU, its pinned staging twins, and the event of each one's upload."""
 
-    __slots__ = ("buffer", "staging", "events", "turn")
+    __slots__ = ("buffer", "staging", "staged", "events", "turn")
 
     STAGING_BUFFERS = 2
     """Pinned staging buffers used in turn: an update waits only for the upload two updates back, so the host
     may run a step ahead of the GPU without waiting."""
+    MAX_COPIED_GAP = 4096
+    """Unused tile entries (at most ``max_tiles - num_tiles``) copied along with the live ones so that one copy
+    covers the whole live range; a larger gap costs a second copy instead."""
 
     def __init__(self, entries: int, device: torch.device):
         # Never reallocated. Only live entries are ever read by the kernels, so neither buffer is zeroed.
         self.buffer = torch.empty(entries, dtype=torch.int32, device=device)  # [entries]
         self.staging: list[torch.Tensor | None] = [None] * self.STAGING_BUFFERS  # pinned, made on first use
-        self.events = [torch.cuda.Event() for _ in range(self.STAGING_BUFFERS)]
+        self.staged: list[np.ndarray | None] = [None] * self.STAGING_BUFFERS  # numpy views of the staging buffers
+        self.events: list[torch.cuda.Event | None] = [None] * self.STAGING_BUFFERS
         self.turn = 0
 
     def upload(self, state: _PlanState, cap: PlanCapacity) -> None:
-        """Copy ``state`` asynchronously on the device's current stream, in two copies: the batch-sized header
-        and the tile list (``[0, end of the live qo_tile_indices)``, O(max_batch + max_tiles) entries) and the
-        live page ids."""
+        """Copy ``state`` asynchronously on the device's current stream: its live entries, in one copy (an
+        exact-size plan's whole buffer; else the header, the tile list and the live page ids, with the unused
+        tile entries between them when there are at most ``MAX_COPIED_GAP``), or two when the gap is larger."""
         turn = self.turn
         self.turn = (turn + 1) % self.STAGING_BUFFERS
-        staging, event = self.staging[turn], self.events[turn]
+        staging, staged, event = self.staging[turn], self.staged[turn], self.events[turn]
         if staging is None:
             staging = self.staging[turn] = torch.empty(len(self.buffer), dtype=torch.int32,
                                                        pin_memory=True)  # [entries] host
+            staged = self.staged[turn] = staging.numpy()
+            event = self.events[turn] = torch.cuda.Event()
         else:
             event.synchronize()  # the upload that last used this staging buffer has run (normally long ago)
-        o_scalars, o_pindptr, o_last, o_qo, o_req, o_qtile, o_pages = cap.segment_offsets()
-        staged, b, t, p = staging.numpy(), state.batch_size, state.num_tiles, state.total_pages
-        staged[o_scalars: o_scalars + 3] = (b, state.total_tokens, t)
-        staged[o_pindptr: o_pindptr + b + 1] = state.page_indptr
-        staged[o_last: o_last + b] = state.last_page_len
-        staged[o_qo: o_qo + b + 1] = state.qo_indptr
-        staged[o_req: o_req + t] = state.request_indices
-        staged[o_qtile: o_qtile + t] = state.qo_tile_indices
-        staged[o_pages: o_pages + p] = state.page_indices
-        head = o_qtile + t
+        entries = len(state.packed)
+        if entries == len(self.buffer):  # every segment exactly full: the packed block is the buffer
+            staged[:entries] = state.packed
+            copies = ((0, entries),)
+        else:
+            o_scalars, o_pindptr, o_last, o_qo, o_req, o_qtile, o_pages = cap.segment_offsets()
+            b, t, p = state.batch_size, state.num_tiles, state.total_pages
+            staged[o_scalars: o_scalars + 3] = state.packed[:3]
+            staged[o_pindptr: o_pindptr + b + 1] = state.page_indptr
+            staged[o_last: o_last + b] = state.last_page_len
+            staged[o_qo: o_qo + b + 1] = state.qo_indptr
+            staged[o_req: o_req + t] = state.request_indices
+            staged[o_qtile: o_qtile + t] = state.qo_tile_indices
+            staged[o_pages: o_pages + p] = state.page_indices
+            head = o_qtile + t
+            if o_pages - head <= self.MAX_COPIED_GAP:
+                copies = ((0, o_pages + p),)
+            else:
+                copies = ((0, head), (o_pages, o_pages + p))
         device = self.buffer.device
-        if device.index == torch.cuda.current_device():
-            self._copy(staging, head, o_pages, p, event)
+        if device.index == _current_device():
+            self._copy(staging, copies, event)
         else:
             with torch.cuda.device(device):
-                self._copy(staging, head, o_pages, p, event)
+                self._copy(staging, copies, event)
 
-    def _copy(self, staging: torch.Tensor, head: int, o_pages: int, p: int, event) -> None:
-        self.buffer[:head].copy_(staging[:head], non_blocking=True)
-        self.buffer[o_pages: o_pages + p].copy_(staging[o_pages: o_pages + p], non_blocking=True)
+    def _copy(self, staging: torch.Tensor, copies, event) -> None:
+        for begin, end in copies:
+            self.buffer[begin:end].copy_(staging[begin:end], non_blocking=True)
         event.record()
+
+
+_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 def _cuda_device(device) -> torch.device | None:

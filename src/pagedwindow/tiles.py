@@ -54,18 +54,19 @@ def device_traits(device) -> tuple[tuple[int, int], int]:
     return found
 
 
-def tile_for_batch(seq_lens: np.ndarray, group: int, num_kv_heads: int, device=None) -> tuple[int, str]:
-    """The default tile for a batch with these new-row counts (``seq_lens [batch]``); returns (tile, reason)."""
+def tile_for_batch(seq_lens: np.ndarray, group: int, num_kv_heads: int, device=None, *,
+                   total_tokens: int | None = None) -> tuple[int, str]:
+    """The default tile for a batch with these new-row counts (``seq_lens [batch]``, summing to ``total_tokens``
+    when given); returns (tile, reason)."""
     capability, sm_count = device_traits(device)
-    rows = seq_lens * group  # [batch] packed rows
-    total = int(rows.sum())
+    total = (int(seq_lens.sum()) if total_tokens is None else total_tokens) * group  # packed rows
     if total <= 16:
         return 16, f"policy sm_{capability[0]}{capability[1]}: all {total} packed rows fit one 16-row tile"
     if capability == (9, 0):
-        busy = rows[rows > 0]  # [requests with new rows]
-        mean = float(busy.mean())
+        mean = total / np.count_nonzero(seq_lens)  # packed rows per request with new rows
         if mean < 128:
             return 64, f"policy sm_90: {mean:.0f} packed rows per request < 128"
+        busy = seq_lens[seq_lens > 0] * group  # [requests with new rows] packed rows
         ctas = int((-(-busy // 128)).sum()) * num_kv_heads
         if ctas < sm_count:
             return 64, f"policy sm_90: {ctas} CTAs at tile 128 leave some of {sm_count} SMs idle"

@@ -173,7 +173,7 @@ def test_doctor_names_the_kernel_auto_would_use(tmp_path, capsys, monkeypatch):
     assert main(["doctor"]) == 0
     out = capsys.readouterr().out
     assert "GPU 0: Pretend H200, compute capability 9.0 (target sm_90a)" in out
-    assert "prefill kernel for backend='auto': pw_prefill_hd256_bf16_sm90" in out
+    assert "prefill kernel for backend='auto': wgmma (pw_prefill_hd256_bf16_sm90)" in out
     assert "nvcc: /opt/cuda/bin/nvcc (Cuda compilation tools, release 12.8, V12.8.93)" in out
     assert "not built yet" in out and not (tmp_path / "cache").exists()
 
@@ -184,3 +184,16 @@ def test_doctor_via_python_m_on_a_cpu_machine():
     assert proc.returncode == 0, proc.stderr
     assert "nvcc" in proc.stdout and "kernel cache:" in proc.stdout
     assert "no GPU: backend='auto' runs the PyTorch reference" in proc.stdout
+
+
+@pytest.mark.cuda
+def test_doctor_build_on_a_gpu_reports_the_library_and_the_kv_copy_path(capsys):
+    """On Hopper the wgmma kernel copies K/V by bulk tensor copies at page 16 and by cp.async at page 5; the
+    mma.sync kernel always by cp.async."""
+    assert main(["doctor", "--build"]) == 0
+    out = capsys.readouterr().out
+    assert "built or verified and loaded" in out and "(built and verified;" in out
+    hopper = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("PAGEDWINDOW_PREFILL_KERNEL",
+                                                                              "auto") != "mma_sync"
+    assert f"K/V copy path, bf16 pool of page 16, 8 KV heads: {'tma' if hopper else 'cp.async'}" in out
+    assert "K/V copy path, bf16 pool of page 5, 8 KV heads: cp.async" in out

@@ -43,15 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--label", default=None,
                        help="suffix of the result file names, e.g. a kernel variant (letters, digits, . _ -)")
 
-    text = "print what would run on this machine and why (builds nothing)"
-    sub.add_parser("doctor", help=text, description=text[0].upper() + text[1:] + ".")
+    text = "print what would run on this machine and why (builds nothing unless --build)"
+    doctor_parser = sub.add_parser("doctor", help=text, description=text[0].upper() + text[1:] + ".")
+    doctor_parser.add_argument("--build", action="store_true",
+                               help="on a GPU: build (or verify) and load the kernels, then report them")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "doctor":
-        return doctor()
+        return doctor(build_kernels=args.build)
     from .report import ReportUsageError
 
     try:
@@ -98,8 +100,9 @@ def bench(args: argparse.Namespace) -> int:
                      quick=args.quick, cta_tile_q=args.cta_tile_q, label=args.label)
 
 
-def doctor() -> int:
-    """Print versions, the GPU, nvcc, the kernel ``backend='auto'`` would use and the cache; exit 0."""
+def doctor(*, build_kernels: bool = False) -> int:
+    """Print versions, the GPU, nvcc, the kernel ``backend='auto'`` would use, the cache and (once the library is
+    built, or ``build_kernels``) the K/V copy path; exit 0. A failed build is printed, not raised."""
     import platform
     import subprocess
 
@@ -111,6 +114,7 @@ def doctor() -> int:
     print(f"python {platform.python_version()} ({sys.executable})")
     print(f"torch {torch.__version__} ({f'CUDA {torch.version.cuda}' if torch.version.cuda else 'CPU-only'} build)")
     try:
+        from . import cuda as cuda_backend
         from .cuda import build, ops
     except (ImportError, OSError) as exc:
         print(f"CUDA backend: cannot be imported ({type(exc).__name__}: {exc}); backend='auto' runs the PyTorch "
@@ -145,21 +149,43 @@ def doctor() -> int:
     print("CUDA available: yes")
     print(f"GPU {index}: {torch.cuda.get_device_name(index)}, compute capability {major}.{minor} (target {target})")
     try:
-        print(f"prefill kernel for backend='auto': {ops.prefill_entry(target)}")
+        kernel = cuda_backend.prefill_kernel(torch.device("cuda", index))
+        print(f"prefill kernel for backend='auto': {kernel} ({ops.prefill_entry(target)})")
     except RuntimeError as exc:  # a bad $PAGEDWINDOW_PREFILL_KERNEL
         print(f"prefill kernel for backend='auto': {exc}")
+        return 0
     if nvcc is None or not sources:
         print("backend='auto' runs the PyTorch reference: the kernels cannot be built (see above)")
         return 0
     try:
-        library = build.cache_root() / f"{target}-{build.build_key(target, nvcc)}" / "libpagedwindow_kernels.so"
+        entry = build.cache_root() / f"{target}-{build.build_key(target, nvcc)}"
     except (build.BuildError, OSError, subprocess.SubprocessError) as exc:
         print(f"kernel library: unknown ({exc})")
         return 0
-    if library.is_file():
-        print(f"kernel library: {library} (built; backend='auto' runs the CUDA kernels on bf16 head_dim 256)")
-    else:
-        print(f"kernel library: not built yet; the first CUDA call builds it into {library.parent}")
+    if build_kernels:
+        import time
+
+        started = time.perf_counter()
+        try:
+            ops.library(torch.device("cuda", index))
+        except (build.BuildError, OSError) as exc:
+            print(f"kernel library: the build failed, backend='auto' runs the PyTorch reference: {exc}")
+            return 0
+        print(f"kernel library: built or verified and loaded in {time.perf_counter() - started:.1f} s")
+    library = build.verified_library(entry, entry.name.removeprefix(f"{target}-"))
+    if library is None:
+        print(f"kernel library: not built yet (or damaged); the first CUDA call builds it into {entry}")
+        return 0
+    print(f"kernel library: {library} (built and verified; backend='auto' runs the CUDA kernels on bf16 "
+          f"head_dim 256)")
+    from .layout import PagedKvLayout, checked_paged_geometry
+
+    for page_size in (16, 5):  # the K/V copy path depends on the pool: one that allows bulk copies, one that not
+        layout = PagedKvLayout(1, 8, 256, page_size)
+        pool = layout.allocate(2, device=torch.device("cuda", index))
+        geometry = checked_paged_geometry("doctor", layout, pool, 0, 256, 8)
+        path = cuda_backend.kv_copy_path(pool, geometry, 8)
+        print(f"K/V copy path, bf16 pool of page {page_size}, 8 KV heads: {path}")
     return 0
 
 

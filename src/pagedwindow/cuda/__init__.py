@@ -13,7 +13,7 @@ from ..layout import PagedGeometry
 from ..plan import PrefillPagedPlan
 from ..tiles import SUPPORTED_CTA_TILE_Q
 from . import ops
-from .build import BuildError
+from .build import BuildError, target_for_capability
 
 PREFILL_HEAD_DIM = 256
 PREFILL_DTYPES = (torch.bfloat16,)
@@ -73,6 +73,26 @@ def require() -> None:
     error = _load_error()
     if error is not None:
         raise PagedWindowError(f"backend 'cuda' is unavailable: {error}")
+
+
+def prefill_kernel(device: torch.device) -> str:
+    """The prefill launcher this process runs on ``device`` (``$PAGEDWINDOW_PREFILL_KERNEL`` honoured):
+    ``"wgmma"`` (the sm_90a kernel) or ``"mma_sync"``. Needs no build."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    target = target_for_capability(*torch.cuda.get_device_capability(index))
+    return "wgmma" if ops.prefill_entry(target) == "pw_prefill_hd256_bf16_sm90" else "mma_sync"
+
+
+def kv_copy_path(pool: torch.Tensor, geometry: PagedGeometry, num_kv_heads: int) -> str:
+    """How the prefill kernel copies K/V tiles out of ``pool`` (a checked geometry): ``"tma"`` (bulk tensor
+    copies: the wgmma kernel on a pool whose page size and alignment allow them) or ``"cp.async"``. The same
+    decision the launcher makes at each call; it depends on the pool, not the plan. Builds the kernels."""
+    if prefill_kernel(pool.device) != "wgmma":
+        return "cp.async"
+    lib = ops.library(pool.device)
+    mode = lib.pw_prefill_hd256_sm90_kv_copy_mode(pool.data_ptr(), geometry.k_offset, geometry.v_offset,
+                                                  geometry.page_stride, geometry.page_size, num_kv_heads)
+    return "tma" if mode == 1 else "cp.async"
 
 
 def _prefill_block(plan: PrefillPagedPlan, device: torch.device, buffer: torch.Tensor):

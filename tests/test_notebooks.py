@@ -107,6 +107,10 @@ def test_01_window_prefill_vs_hf(tmp_path):
     assert m["passed"] is True, m["failures"]
     assert m["max_rel_err"] <= 1e-4 and m["floor_max_abs_err"] > 0 and m["weight_beyond_window"] == 0.0
     assert m["backend"] == "reference" and m["chunks"] == [24, 16]
+    kernels = m["environment"]["kernels"]  # what ran: the oracle's and the detail's launches, all reference
+    assert kernels["backend"] == "reference" and set(kernels["launches"]) == {"reference"}
+    assert kernels["prefill_kernels"] == kernels["kv_copy_paths"] == []
+    assert "max |ours − HF eager|" in m["gate_summary"]
     assert [row["layer"] for row in m["layers"]] == [0, 1, 2] and all(row["gate_passed"] for row in m["layers"])
     for png in ("error_vs_distance", "error_across_pages", "error_per_head", "error_histogram"):
         assert (tmp_path / "01_window_prefill_vs_hf" / f"{png}.png").is_file()
@@ -118,6 +122,8 @@ def test_02_kernel_explorer(tmp_path):
     assert m["passed"] is True, m["failures"]
     assert 0 < m["max_abs_err"] <= m["limit"] and m["rows_written"] and m["spare_rows_untouched"]
     assert len(m["tiles"]) == m["num_tiles"] == 4
+    assert m["backend"] == "reference" and m["environment"]["kernels"]["launches"] == {"reference": 1}
+    assert m["gate_summary"].startswith("max |ours − fp64| = ")
     for png in ("mask", "tiles", "tile_errors"):
         assert (tmp_path / "02_kernel_explorer" / f"{png}.png").is_file()
 
@@ -137,6 +143,7 @@ def test_04_benchmark_without_results_passes_and_says_so(tmp_path):
     empty.mkdir()
     m = _execute("04_benchmark", tmp_path, results_dir=str(empty))
     assert m["passed"] is True and m["measured"] is False and m["measured_here"] is False
+    assert m["backend"] == "none" and m["environment"]["kernels"]["launches"] == {}
     executed = (tmp_path / "04_benchmark.ipynb").read_text()
     assert "Not measuring" in executed and "No benchmark results yet" in executed
 
@@ -155,6 +162,7 @@ def test_04_benchmark_plots_a_results_file(tmp_path):
                                                               "records": records}))
     m = _execute("04_benchmark", tmp_path, results_dir=str(results))
     assert m["passed"] is True and m["measured"] is True and m["measured_here"] is False
-    assert m["gpu"] == "NVIDIA H200" and m["results_file"].endswith("h200-2026-02-01.json")
+    assert m["gpu"] == "NVIDIA H200" and m["results_file"] == "results/h200-2026-02-01.json"  # relative to cwd
+    assert m["backend"] == "none" and "timed on 2 of 2 workloads" in m["gate_summary"]
     for png in ("throughput", "speedup", "errors"):
         assert (tmp_path / "04_benchmark" / f"{png}.png").is_file()

@@ -4,7 +4,9 @@ a raising notebook and usage errors."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -112,6 +114,31 @@ def test_smoke_report_writes_index_and_html(tmp_path, capsys):
     assert (out / "02_kernel_explorer" / "tiles.png").is_file()
     assert "<img" in (out / "02_kernel_explorer.html").read_text()  # figures rendered into the report
     assert _snapshot(NOTEBOOKS) == before, "the report wrote into notebooks/"
+    # what the report exercised: on this CPU, the reference; said on the index, every page and in metrics.json
+    assert report.NO_KERNEL in index and "class='pw-banner'" in index
+    summary = json.loads((out / "metrics.json").read_text())
+    assert summary["passed"] is True and summary["exercised"]["cuda_kernel_exercised"] is False
+    assert summary["exercised"]["statement"].startswith(report.NO_KERNEL)
+    assert summary["exercised"]["backends"] == {"02_kernel_explorer": "reference", "04_benchmark": "none"}
+    assert summary["exercised"]["commit"] == report.git_commit(NOTEBOOKS.parent)
+    assert [r["device"] for r in summary["runs"]] == ["CPU", None]
+    explorer_page = (out / "02_kernel_explorer.html").read_text()
+    assert "No CUDA kernel was exercised in this run" in explorer_page
+    assert "This run made no attention call." in (out / "04_benchmark.html").read_text()
+    for run in ("02_kernel_explorer", "04_benchmark"):
+        page = (out / f"{run}.html").read_text()
+        title = re.search(r"<title>(.*?)</title>", page).group(1)
+        assert title.endswith(f"{run} (smoke) · pagedwindow report") and title.startswith(("02 ·", "04 ·"))
+        header, first_cell = page.index("class='pw-header'"), page.index('<div class="jp-Cell')
+        assert header < page.index("href='index.html'") < first_cell  # the link back and the verdict come first
+        assert header < page.index(f"{run}: gate PASSED") < first_cell
+    top = explorer_page[:explorer_page.index('<div class="jp-Cell')]
+    assert "max |ours − fp64| = " in top and "against the limit" in top  # the gate's numbers on top
+    for path in [*out.glob("*.html"), *out.glob("*/*.ipynb"), *out.glob("**/metrics.json")]:
+        text = path.read_text()
+        for machine in {str(out.resolve()), str(tmp_path.resolve()), str(NOTEBOOKS.parent.resolve()),
+                        str(Path.home())}:
+            assert machine not in text, f"{path.name} holds the absolute path {machine}"
 
 
 @pytest.mark.slow
@@ -135,3 +162,80 @@ def test_failing_gate_and_raising_notebook_exit_nonzero(tmp_path, capsys):
     index = (out / "index.html").read_text()
     assert "2 of 3 runs FAILED" in index and index.count(">FAILED<") == 1 and index.count(">ERROR<") == 1
     assert (out / "02_kernel_explorer-raises.html").is_file()  # the failing notebook is rendered too
+
+
+# -- what a report exercised, commits, paths ---------------------------------------------------------------------------
+def _metrics(backend, *, gpu=None, device="cpu", kernels=(), paths=()):
+    env = {"device": device, "kernels": {"backend": backend, "prefill_kernels": list(kernels),
+                                         "kv_copy_paths": list(paths)}}
+    if gpu:
+        env["gpu"] = gpu
+    return {"passed": True, "backend": backend, "environment": env}
+
+
+def test_a_cpu_report_says_plainly_that_no_kernel_ran():
+    runs = [("01", report.run_exercised(_metrics("reference"))),
+            ("03", report.run_exercised({"passed": True, "backend": "reference",  # notebook 03's keys
+                                         "environment": {"device": "cpu"}})),
+            ("04", report.run_exercised({"passed": True, "backend": "none", "environment": {}}))]
+    ex = report.report_exercised(runs, "abc1234")
+    assert ex["cuda_kernel_exercised"] is False and ex["statement"].startswith(report.NO_KERNEL)
+    assert ex["devices"] == ["CPU"] and ex["prefill_kernels"] == [] and ex["commit"] == "abc1234"
+
+
+def test_a_gpu_report_names_kernel_copy_path_and_device():
+    runs = [("01", report.run_exercised(_metrics("cuda", gpu="NVIDIA H200", device="cuda:0", kernels=["wgmma"],
+                                                 paths=["tma"]))),
+            ("02", report.run_exercised(_metrics("cuda+reference", gpu="NVIDIA H200", device="cuda:0",
+                                                 kernels=["wgmma"], paths=["cp.async"]))),
+            ("02-fp32", report.run_exercised(_metrics("reference", gpu="NVIDIA H200", device="cuda:0"))),
+            ("03", report.run_exercised({}))]  # a run that wrote no metrics
+    ex = report.report_exercised(runs, None)
+    assert ex["cuda_kernel_exercised"] is True and report.NO_KERNEL not in ex["statement"]
+    assert ex["prefill_kernels"] == ["sm_90a wgmma"] and ex["kv_copy_paths"] == ["cp.async", "tma"]
+    assert ex["devices"] == ["NVIDIA H200"]
+    assert "ran in 2 of 4 runs on NVIDIA H200" in ex["statement"]
+    assert "The PyTorch reference ran in: 02, 02-fp32." in ex["statement"]
+    assert "Recorded no backend (did not finish?): 03." in ex["statement"]
+    banner = report.banner_html(backend="cuda", device="NVIDIA H200", kernels=ex["prefill_kernels"],
+                                copy_paths=ex["kv_copy_paths"], commit="abc1234+dirty")
+    assert all(s in banner for s in ("CUDA kernel", "NVIDIA H200", "sm_90a wgmma", "cp.async, tma", "abc1234+dirty"))
+
+
+def test_git_commit(tmp_path, monkeypatch):
+    monkeypatch.delenv(report.COMMIT_ENV, raising=False)
+    repo = NOTEBOOKS.parent
+    sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    assert report.git_commit(repo) == sha + ("+dirty" if dirty else "")
+    assert report.git_commit(tmp_path) is None  # not a checkout
+    assert report.git_commit(repo / "notebooks") is None  # inside one, but not its top
+    subprocess.run(["git", "init", "-q", str(tmp_path / "r")], check=True)
+    (tmp_path / "r" / "f").write_text("1")
+    for args in (["add", "f"], ["-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "c"]):
+        subprocess.run(["git", "-C", str(tmp_path / "r"), *args], check=True)
+    clean = report.git_commit(tmp_path / "r")
+    assert clean and "+dirty" not in clean
+    (tmp_path / "r" / "f").write_text("2")
+    assert report.git_commit(tmp_path / "r") == clean + "+dirty"
+    monkeypatch.setenv(report.COMMIT_ENV, "feedbee")
+    assert report.git_commit(None) == "feedbee"
+
+
+def test_scrub_paths_makes_machine_paths_relative():
+    pairs = [("/tmp/r", ""), ("/work/main", ""), ("/root", "~/"), ("/work/main/.venv", "<python>/")]
+    text = ("Written: /tmp/r/01/metrics.json; results /work/main/benchmarks/x.json; cwd /tmp/r; "
+            "/work/main/.venv/lib/site.py; /root/.cache/k; /srv/root/keep; /tmp/rest/keep; /work/mainline; "
+            "File \x1b[0;32m/work/main/src/a.py\x1b[0m")  # a traceback's colours
+    assert report.scrub_paths(text, pairs) == (
+        "Written: 01/metrics.json; results benchmarks/x.json; cwd .; <python>/lib/site.py; ~/.cache/k; "
+        "/srv/root/keep; /tmp/rest/keep; /work/mainline; File \x1b[0;32msrc/a.py\x1b[0m")
+
+
+def test_gate_summary_prefers_the_runs_own_sentence():
+    assert report.gate_summary({"gate_summary": "all 3 layers within 1e-4", "max_abs_err": 1.0}) == \
+        "all 3 layers within 1e-4"
+    assert report.gate_summary({"passed": True, "max_abs_err": 0.5, "tolerance": 0.25, "steps": 4, "x": 1}) == \
+        "max_abs_err 0.5; tolerance 0.25; steps 4"

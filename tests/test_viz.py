@@ -345,7 +345,7 @@ def test_bench_plots(tmp_path):
     res = bench_results.load_results(_results(tmp_path))
     _saved(bench_plots.plot_throughput(res), tmp_path, "throughput")
     _saved(bench_plots.plot_speedup(res), tmp_path, "speedup")
-    _saved(bench_plots.plot_errors(res, limit=2e-2), tmp_path, "errors")
+    _saved(bench_plots.plot_errors(res, max_err_limit=2e-2), tmp_path, "errors")
 
 
 def test_bench_gate_trusts_the_runs_own_check_when_recorded(tmp_path):
@@ -360,3 +360,150 @@ def test_bench_gate_trusts_the_runs_own_check_when_recorded(tmp_path):
     assert "output check failed" in one({"max_abs_err": 0.03125, "err_bound": 0.02, "status": "ok"})[0]
     assert "output check failed" in one({"max_abs_err": 0.5, "status": "wrong output (max abs err 5e-01)"})[0]
     assert "not a finite number" in one({"max_abs_err": float("nan"), "status": "ok"})[0]
+
+
+# -- what ran, and the plots' scales -------------------------------------------------------------------------------
+def test_launch_record_and_environment_say_what_ran():
+    case = explorer.build_case(**CASE, dtype=torch.float32, seed=0)
+    before = runtime.launch_record()["launches"].get("reference", 0)
+    with runtime.observe_backends() as outer:
+        with runtime.observe_backends() as inner:
+            explorer.run_case(case, backend="reference")  # observes once more inside
+    assert outer["reference"] == inner["reference"] == 1
+    assert runtime.launch_record()["launches"]["reference"] == before + 1  # nested blocks count a launch once
+    record = runtime.launch_record(outer)
+    assert record == {"backend": "reference", "launches": {"reference": 1}, "prefill_kernels": [],
+                      "kv_copy_paths": []}
+    assert runtime.environment(torch.device("cpu"), outer)["kernels"] == record
+
+
+def test_observe_backends_records_the_cuda_kernel_and_copy_path(monkeypatch):
+    from pagedwindow import cuda
+
+    seen = []
+    monkeypatch.setattr(cuda, "batch_prefill_paged_window", lambda *a, **k: seen.append(a))
+    monkeypatch.setattr(cuda, "prefill_kernel", lambda device: "wgmma")
+    monkeypatch.setattr(cuda, "kv_copy_path", lambda pool, geometry, hkv: "tma" if hkv == 8 else "cp.async")
+    plan = SimpleNamespace(num_kv_heads=8)
+    with runtime.observe_backends() as launches:
+        for _ in range(2):
+            cuda.batch_prefill_paged_window("q", torch.zeros(1), "geometry", plan, sm_scale=1.0, window_left=3,
+                                            out=None)
+        cuda.batch_prefill_paged_window("q", torch.zeros(1), "geometry", SimpleNamespace(num_kv_heads=2),
+                                        sm_scale=1.0, window_left=3, out=None)
+    assert len(seen) == 3 and launches["cuda"] == 3
+    assert runtime.launch_record(launches) == {"backend": "cuda", "launches": {"cuda": 3},
+                                               "prefill_kernels": ["wgmma"], "kv_copy_paths": ["cp.async", "tma"]}
+    monkeypatch.setattr(cuda, "kv_copy_path", lambda *a: 1 / 0)  # a failing query never breaks the launch
+    with runtime.observe_backends() as launches:
+        cuda.batch_prefill_paged_window("q", torch.zeros(1), "geometry", plan, sm_scale=1.0, window_left=3, out=None)
+    assert len(seen) == 4 and launches.kv_copy_paths == {"unknown": 1}
+
+
+def test_zero_floor_and_error_range():
+    assert figures.zero_floor(torch.tensor([0.0, 3e-3, 1e-2])) == pytest.approx(1e-4)
+    assert figures.zero_floor([0.0], torch.tensor([float("nan")]), default=1e-9) == 1e-9
+    lo, hi = figures.error_log_range(torch.bfloat16)
+    assert (lo, hi) == pytest.approx((math.log10(2 ** -7) - 3, math.log10(2 ** -7) + 1))
+
+
+def test_head_heatmap_scale_is_absolute_not_stretched_by_one_ulp():
+    ulp = 2 ** -8  # bf16 values in [0.5, 1): neighbouring heads one ulp apart
+    layer = SimpleNamespace(layer=0, window_left=7, head_err=torch.tensor([2 * ulp, 3 * ulp, 2 * ulp, 2 * ulp]),
+                            head_floor=torch.tensor([2 * ulp, 2 * ulp, 0.0, 2 * ulp]))
+    detail = prefill_detail.PrefillDetail(prompt_len=8, chunks=(8,), page_size=4, layers=[layer],
+                                          dtype=torch.bfloat16)
+    fig = prefill_plots.plot_head_heatmap(detail)
+    images = [ax.images[0] for ax in fig.axes if ax.images]
+    lo, hi = figures.error_log_range(torch.bfloat16)
+    assert all(im.get_clim() == pytest.approx((lo, hi)) for im in images)
+    shown = images[0].get_array()
+    assert float(shown.max() - shown.min()) < 0.05 * (hi - lo)  # one ulp is a small step of the scale
+    assert float(images[1].get_array().min()) == pytest.approx(lo)  # an exact 0 sits at the bottom
+    figures.plt.close(fig)
+
+
+def test_tile_error_axis_is_not_stretched_by_an_exact_zero():
+    case = explorer.build_case(**CASE, dtype=torch.bfloat16, seed=0)
+    result = explorer.run_case(case, backend="reference")
+    result.packed_err[0][0, 0] = 0.0
+    fig = plan_drawing.draw_tile_errors(result.tile_err, result.spans, result.packed_err, limit=result.limit,
+                                        dtype=torch.bfloat16)
+    heat, rows = fig.axes[0], fig.axes[1]  # axes[2] is the colour bar
+    assert heat.images[0].get_clim() == pytest.approx(figures.error_log_range(torch.bfloat16))
+    smallest = min(float(e[e > 0].min()) for e in result.packed_err if (e > 0).any())
+    assert rows.get_ylim()[0] > smallest / 1000 and "exact 0 drawn at" in rows.get_ylabel()  # not at 1e-12
+    assert all(line.get_linestyle() == "None" for line in rows.lines if line.get_label().startswith("kv head"))
+    figures.plt.close(fig)
+
+
+def test_masks_are_a_grid():
+    plan = _plan()  # 4 requests
+    fig = plan_drawing.draw_masks(plan, 13, max_requests=4)
+    panels = [ax for ax in fig.axes if ax.get_title() or not ax.axison]
+    assert len(panels) == 4
+    xs = sorted({round(ax.get_position().x0, 2) for ax in panels})
+    ys = sorted({round(ax.get_position().y0, 2) for ax in panels})
+    assert len(xs) == 2 and len(ys) == 2  # 2 × 2, not a 1 × 4 strip
+    width, height = fig.get_size_inches()
+    assert width / height < 1.5
+    figures.plt.close(fig)
+
+
+def _recorded_results(tmp_path):
+    records = [{"system": s, "workload": w, "ms": ms, "useful_tflops": 1.0, "max_abs_err": err, "status": "ok",
+                "err_bound": bound}
+               for w, bound in (("prefill_1x8192", 0.05), ("decode_64x4096", 0.04))
+               for s, ms, err in (("pagedwindow", 0.3, 0.031), ("flashinfer_fa2", 0.5, 0.0), ("sdpa", 4.5, 0.015))]
+    records.append({"system": "pagedwindow", "workload": "old_file", "ms": 0.2, "useful_tflops": 1.0,
+                    "max_abs_err": 0.01})  # no status: the fallback limit applies
+    records.append({"system": "flashinfer_fa2", "workload": "old_file", "ms": 0.4, "useful_tflops": 1.0,
+                    "max_abs_err": 0.01})
+    path = tmp_path / "h200-2026-12-02.json"
+    path.write_text(json.dumps({"gpu": "NVIDIA H200", "peak_bf16_tflops": 800.0, "prefill_kernel":
+                                "pw_prefill_hd256_bf16_sm90", "records": records}))
+    return bench_results.load_results(path)
+
+
+def test_applied_bound_is_what_the_gate_applies(tmp_path):
+    res = _recorded_results(tmp_path)
+    bounds = [bench_results.applied_bound(res.record(w, "pagedwindow"), max_err_limit=0.02) for w in res.workloads]
+    assert bounds == [0.05, 0.04, 0.02] and res.prefill_kernel == "pw_prefill_hd256_bf16_sm90"
+    assert bench_results.bench_gate(res, max_err_limit=0.02) == []
+    assert bench_results.bench_gate(res, max_err_limit=0.005) == ["old_file: pagedwindow max_abs_err 0.01 exceeds "
+                                                                  "0.005"]
+    summary = bench_results.gate_summary(res, [], max_err_limit=0.02)
+    assert "3 of 3 workloads" in summary and "0.031 against its bound 0.04" in summary
+
+
+def test_error_plot_draws_the_applied_bounds_and_points(tmp_path):
+    res = _recorded_results(tmp_path)
+    fig = bench_plots.plot_errors(res, max_err_limit=0.02)
+    (ax,) = fig.axes
+    segments = [seg for bars in ax.collections for seg in bars.get_segments()]  # each workload's bound
+    assert sorted((round(float(seg[0][0] + seg[1][0]) / 2, 6), round(float(seg[0][1]), 6)) for seg in segments) \
+        == [(0.0, 0.05), (1.0, 0.04), (2.0, 0.02)]
+    systems = [line for line in ax.lines if line.get_label() in res.systems]
+    assert len(systems) == 3 and all(line.get_linestyle() == "None" for line in systems)  # points, not lines
+    assert ax.get_yscale() == "log" and ax.get_ylim()[0] > 1e-4  # the exact 0 does not stretch the axis
+    assert "exact 0 drawn at 1e-03" in ax.get_ylabel()
+    figures.plt.close(fig)
+
+
+def test_speedup_axis_is_logarithmic_from_parity(tmp_path):
+    res = _recorded_results(tmp_path)
+    fig = bench_plots.plot_speedup(res)
+    (ax,) = fig.axes
+    assert ax.get_yscale() == "log"
+    tops = sorted(round(p.get_y() + p.get_height(), 6) for p in ax.patches)
+    assert all(p.get_y() == 1.0 for p in ax.patches) and tops[-1] == pytest.approx(15.0)
+    figures.plt.close(fig)
+
+
+def test_display_path_is_never_absolute(tmp_path, monkeypatch):
+    root = paths.repository_root()
+    assert paths.display_path(root / "benchmarks" / "results") == "benchmarks/results"
+    assert paths.display_path("benchmarks/results") == "benchmarks/results"
+    monkeypatch.chdir(tmp_path)
+    assert paths.display_path(tmp_path / "a" / "b.json") == "a/b.json"
+    assert paths.display_path(Path("/nonexistent-root/x/y.json")) == "y.json"

@@ -8,9 +8,18 @@ A notebook's section may hold ``variants: {label: {overrides}}``: the notebook t
 declares is an error (a typo must not silently fall back to a default). ``out_dir`` is always set by the report.
 
 Layout of a report directory ``reports/<name>/``:
-``index.html`` (links, a table of each run's headline metrics from its ``metrics.json``, the parameter set),
-``<run>.html`` (the executed notebook without input cells), ``<run>/`` (the executed ``.ipynb``, ``metrics.json``,
-CSV and PNG artifacts). Nothing is written into ``notebooks/``.
+``index.html`` (what the report exercised, links, a table of each run's gate and headline metrics from its
+``metrics.json``, the parameter set), ``metrics.json`` (the report's: every run's status and what it exercised, the
+same statement as the index), ``<run>.html`` (the executed notebook without input cells, headed by a link back to
+the index, the run's verdict and what it exercised), ``<run>/`` (the executed ``.ipynb``, ``metrics.json``, CSV and
+PNG artifacts). Nothing is written into ``notebooks/``.
+
+*What a run exercised* comes from its ``metrics.json``, never from the requested parameters: ``backend`` (the
+backend that ran, :func:`pagedwindow.viz.runtime.backend_label`) and ``environment`` (``gpu`` / ``device``;
+``kernels``: the prefill kernel and K/V copy path of its CUDA launches). The commit is the checkout's short sha,
+``+dirty`` when tracked files differ from it (``$PAGEDWINDOW_COMMIT`` overrides it, for a copy without ``.git``),
+None outside a checkout. Absolute paths of this machine (the report directory, the repository, the home
+directory, Python's prefix) are scrubbed from the HTML pages, the executed notebooks and their ``metrics.json``.
 
 Exit code of :func:`run_report`: 0 when every run passed its gate; 1 when a gate failed, a notebook raised or
 wrote no ``metrics.json`` (each named on stderr); 2 for a usage error (unknown parameter set, notebook or key, an
@@ -27,6 +36,7 @@ import json
 import os
 import platform
 import re
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,6 +45,7 @@ from pathlib import Path
 from .viz.paths import REPO_ENV  # set for the kernels: the repository the notebooks came from
 
 NOTEBOOKS_ENV = "PAGEDWINDOW_NOTEBOOKS"  # overrides where the notebooks (and params/) are found
+COMMIT_ENV = "PAGEDWINDOW_COMMIT"  # the commit to report when the tree is a copy without .git
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 VARIANTS_KEY = "variants"
 EXIT_OK, EXIT_GATE_FAILED, EXIT_USAGE = 0, 1, 2
@@ -235,9 +246,220 @@ def execute_run(spec: RunSpec, notebook: Path, run_dir: Path, *, kernel_name: st
     return RunResult(spec, "passed", seconds, metrics)
 
 
-def render_html(executed: Path, html_path: Path) -> Path:
+# -- what a report exercised -------------------------------------------------------------------------------------
+NO_KERNEL = "No CUDA kernel was exercised: every attention call ran the PyTorch reference."
+BACKEND_NAMES = {"cuda": "CUDA kernel", "reference": "PyTorch reference", "cuda+reference": "CUDA kernel and PyTorch "
+                 "reference (auto fell back for some calls)", "none": "no attention call"}
+
+
+def git_commit(repo: Path | None) -> str | None:
+    """The short sha of the checkout at ``repo``, with ``+dirty`` when tracked files differ from it;
+    ``$PAGEDWINDOW_COMMIT`` when set; None when ``repo`` is not the top of a git checkout (or git is missing)."""
+    if os.environ.get(COMMIT_ENV):
+        return os.environ[COMMIT_ENV]
+    if repo is None:
+        return None
+
+    def git(*args) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True,
+                              timeout=30).stdout.strip()
+
+    try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != Path(repo).resolve():
+            return None
+        sha = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return sha + ("+dirty" if dirty else "") if sha else None
+
+
+def run_exercised(metrics: dict) -> dict:
+    """What one run exercised, read from its ``metrics.json``: ``backend`` (the label that ran, ``"unknown"`` when
+    the run recorded none), ``device`` (GPU name, ``"CPU"``, or None when it ran no attention), ``prefill_kernels``
+    (report names: ``"sm_90a wgmma"`` / ``"mma.sync"``) and ``kv_copy_paths`` of its CUDA launches."""
+    from .viz.runtime import KERNEL_NAMES
+
+    env = metrics.get("environment") if isinstance(metrics.get("environment"), dict) else {}
+    kernels = env.get("kernels") if isinstance(env.get("kernels"), dict) else {}
+    backend = metrics.get("backend") or kernels.get("backend") or "unknown"
+    device = env.get("gpu") or ("CPU" if str(env.get("device", "")).startswith("cpu") else None)
+    if backend == "none":
+        device = None
+    out = {"backend": str(backend), "device": device,
+           "prefill_kernels": [KERNEL_NAMES.get(k, k) for k in kernels.get("prefill_kernels") or []],
+           "kv_copy_paths": list(kernels.get("kv_copy_paths") or [])}
+    if metrics.get("results_prefill_kernel"):  # notebook 04 reading results measured earlier
+        out["results_prefill_kernel"] = KERNEL_NAMES.get(metrics["results_prefill_kernel"],
+                                                         metrics["results_prefill_kernel"])
+    return out
+
+
+def _ran_cuda(backend: str) -> bool:
+    return "cuda" in backend.split("+")
+
+
+def _names(items) -> str:
+    return ", ".join(items) if items else "—"
+
+
+def report_exercised(runs: list[tuple[str, dict]], commit: str | None) -> dict:
+    """What the whole report exercised, from ``(run name, run_exercised(...))`` pairs: whether any CUDA kernel
+    ran, the devices, kernels and K/V copy paths seen, the commit, and a one-sentence ``statement`` (on a report
+    where no run ran the kernel: :data:`NO_KERNEL`)."""
+    cuda_runs = [n for n, e in runs if _ran_cuda(e["backend"])]
+    reference_runs = [n for n, e in runs if "reference" in e["backend"].split("+")]
+    idle_runs = [n for n, e in runs if e["backend"] == "none"]
+    unknown = [n for n, e in runs if e["backend"] not in BACKEND_NAMES]
+    devices = sorted({e["device"] for _, e in runs if e["device"]})
+    kernels = sorted({k for _, e in runs if _ran_cuda(e["backend"]) for k in e["prefill_kernels"]})
+    copy_paths = sorted({p for _, e in runs if _ran_cuda(e["backend"]) for p in e["kv_copy_paths"]})
+    if cuda_runs:
+        statement = (f"The CUDA kernel ({_names(kernels)}; K/V copy path {_names(copy_paths)}) ran in "
+                     f"{len(cuda_runs)} of {len(runs)} runs on {_names(devices)}.")
+        if reference_runs:
+            statement += f" The PyTorch reference ran in: {', '.join(reference_runs)}."
+    else:
+        statement = NO_KERNEL
+    if idle_runs:
+        statement += f" No attention call in: {', '.join(idle_runs)}."
+    if unknown:
+        statement += f" Recorded no backend (did not finish?): {', '.join(unknown)}."
+    return {"cuda_kernel_exercised": bool(cuda_runs), "statement": statement,
+            "backends": {n: e["backend"] for n, e in runs}, "devices": devices, "prefill_kernels": kernels,
+            "kv_copy_paths": copy_paths, "commit": commit}
+
+
+BANNER_STYLE = {True: "background:#e5f5e0;border:1px solid #31a354",  # a CUDA kernel ran
+                False: "background:#fff7bc;border:1px solid #d95f0e"}
+
+
+def banner_html(*, backend: str, device: str | None, kernels: list, copy_paths: list, commit: str | None,
+                statement: str | None = None, note: str | None = None) -> str:
+    """The "what this exercised" box of the index and of every page."""
+    ran = _ran_cuda(backend) if backend else False
+    label = BACKEND_NAMES.get(backend, backend)
+    rows = [("backend that ran", label), ("device", device or "— (no attention call)"),
+            ("kernel variant", _names(kernels) if ran else "— (no CUDA kernel ran)"),
+            ("K/V copy path", _names(copy_paths) if ran else "—"), ("commit", commit or "— (not a git checkout)")]
+    cells = "".join(f"<tr><th style='text-align:left;padding-right:1em'>{html.escape(k)}</th>"
+                    f"<td>{html.escape(str(v))}</td></tr>" for k, v in rows)
+    lead = f"<p style='margin:0 0 .4em 0'><b>{html.escape(statement)}</b></p>" if statement else ""
+    tail = f"<p style='margin:.4em 0 0 0;font-size:90%'>{html.escape(note)}</p>" if note else ""
+    return (f"<div class='pw-banner' style='{BANNER_STYLE[ran]};padding:.6em 1em;margin:.6em 0'>{lead}"
+            f"<table style='font-size:90%'>{cells}</table>{tail}</div>")
+
+
+GATE_KEYS = ("max_abs_err", "max_rel_err", "floor_max_abs_err", "tolerance", "limit", "worst_gate_value",
+             "worst_gate_limit", "gate_rule", "clear_steps", "steps", "teacher_forced_matches",
+             "free_running_matches", "first_unclear_step", "measured")
+
+
+def gate_summary(metrics: dict) -> str:
+    """The gate's key numbers in one line: the run's ``gate_summary`` when it wrote one, else its gate keys."""
+    if isinstance(metrics.get("gate_summary"), str):
+        return metrics["gate_summary"]
+    from .viz.artifacts import format_value
+
+    return "; ".join(f"{k} {format_value(metrics[k])}" for k in GATE_KEYS if k in metrics)
+
+
+START = r"(?:(?<![\w.~/-])|(?<=\dm)|(?<=\[m))"  # where a path starts: not inside a longer one; after ANSI colours
+
+
+def scrub_paths(text: str, replacements: list[tuple[str, str]]) -> str:
+    """``text`` with each absolute path prefix replaced, longest first: ``prefix/...`` becomes
+    ``replacement...`` and the bare prefix ``replacement`` without its slash (or ``.``). A prefix only matches
+    where a path starts (not inside a longer path) and ends (not inside a longer name)."""
+    for prefix, replacement in sorted(replacements, key=lambda pr: -len(pr[0])):
+        prefix = prefix.rstrip("/")
+        if not prefix:
+            continue
+        bare = replacement.rstrip("/") or "."
+        pattern = START + re.escape(prefix) + r"(?:/|(?![\w.-]))"
+        text = re.sub(pattern, lambda m, r=replacement, b=bare: r if m.group(0).endswith("/") else b, text)
+    return text
+
+
+def machine_paths(report_dir: Path, repo: Path | None) -> list[tuple[str, str]]:
+    """The absolute prefixes :func:`scrub_paths` removes: the report directory (-> relative to it), the
+    repository (-> relative to it), the home directory (-> ``~/``) and Python's prefixes (-> ``<python>/``)."""
+    pairs = []
+    for path, replacement in ((report_dir, ""), (repo, ""), (Path.home(), "~/"), (Path(sys.prefix), "<python>/"),
+                              (Path(sys.base_prefix), "<python>/")):
+        if path is None:
+            continue
+        for form in {str(Path(path).absolute()), str(Path(path).resolve())}:
+            if len(form) > 1:
+                pairs.append((form, replacement))
+    return pairs
+
+
+def scrub_file(path: Path, replacements: list[tuple[str, str]]) -> None:
+    """Rewrite a text file with :func:`scrub_paths` (JSON stays valid: only path prefixes change)."""
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+        scrubbed = scrub_paths(text, replacements)
+        if scrubbed != text:
+            path.write_text(scrubbed, encoding="utf-8")
+
+
+def notebook_title(nb) -> str:
+    """The first Markdown heading of a notebook, without its ``#`` marks ("" when there is none)."""
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("#"):
+                    return line.lstrip("#").strip()
+    return ""
+
+
+def page_title(executed: Path, run: str, params_name: str) -> str:
+    """``<notebook heading> — <run> (<set>) · pagedwindow report``."""
+    import nbformat
+
+    heading = notebook_title(nbformat.read(str(executed), as_version=4))
+    return f"{heading + ' — ' if heading else ''}{run} ({params_name}) · pagedwindow report"
+
+
+def page_header(result: RunResult, *, params_name: str, commit: str | None) -> str:
+    """The top of a run's page: a link back to the index, the verdict with the gate's key numbers, what ran."""
+    ex = run_exercised(result.metrics)
+    verdict = {"passed": "PASSED", "failed": "FAILED", "error": "ERROR", "no-metrics": "NO METRICS"}[result.status]
+    failures = result.metrics.get("failures") or ([result.message] if result.message else [])
+    items = "".join(f"<li><code>{html.escape(str(f))}</code></li>" for f in failures)
+    summary = gate_summary(result.metrics)
+    if _ran_cuda(ex["backend"]):
+        statement = (f"This run exercised the CUDA kernel ({_names(ex['prefill_kernels'])}; K/V copy path "
+                     f"{_names(ex['kv_copy_paths'])})" + (", and the PyTorch reference where auto fell back."
+                                                          if "reference" in ex["backend"] else "."))
+    elif ex["backend"] == "reference":
+        statement = "No CUDA kernel was exercised in this run: every attention call ran the PyTorch reference."
+    elif ex["backend"] == "none":
+        statement = "This run made no attention call."
+    else:
+        statement = "This run recorded no backend (it did not finish)."
+    note = None
+    if ex.get("results_prefill_kernel"):
+        note = f"The results it plots were measured earlier with the {ex['results_prefill_kernel']} prefill kernel."
+    return (
+        f"<div class='pw-header' style='font-family:system-ui,sans-serif;margin:1em 2em'>"
+        f"<p><a href='index.html'>&larr; index of the report <code>{html.escape(params_name)}</code></a></p>"
+        f"<div class='pw-verdict' style='background:{STATUS_STYLE.get(result.status, '#fff')};padding:.6em 1em'>"
+        f"<h2 style='margin:0'>{html.escape(result.spec.name)}: gate {html.escape(verdict)}</h2>"
+        + (f"<p style='margin:.4em 0 0 0'>{html.escape(summary)}</p>" if summary else "")
+        + (f"<ul style='margin:.4em 0 0 0'>{items}</ul>" if items else "")
+        + "</div>"
+        + banner_html(backend=ex["backend"], device=ex["device"], kernels=ex["prefill_kernels"],
+                      copy_paths=ex["kv_copy_paths"], commit=commit, statement=statement, note=note)
+        + "</div>")
+
+
+def render_html(executed: Path, html_path: Path, *, header: str = "", title: str | None = None,
+                replacements: list[tuple[str, str]] = ()) -> Path:
     """The executed notebook as HTML without input cells or prompts; stderr streams (progress bars, warnings)
-    are left out of the HTML (the executed .ipynb keeps them)."""
+    are left out of the HTML (the executed .ipynb keeps them). ``header`` goes first in the body, ``title``
+    (default: the notebook's first heading) into ``<title>``; ``replacements`` are scrubbed (:func:`scrub_paths`)."""
     import nbformat
     from nbconvert import HTMLExporter
 
@@ -248,7 +470,13 @@ def render_html(executed: Path, html_path: Path) -> Path:
                             if not (o.get("output_type") == "stream" and o.get("name") == "stderr")]
     exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
     body, _ = exporter.from_notebook_node(nb)
-    html_path.write_text(body)
+    title = title or notebook_title(nb) or executed.stem
+    body = re.sub(r"<title>.*?</title>", lambda _: f"<title>{html.escape(title)}</title>", body, count=1, flags=re.S)
+    if header:
+        body, n = re.subn(r"(<main[^>]*>)", lambda m: m.group(1) + header, body, count=1)
+        if not n:
+            body = re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + header, body, count=1)
+    html_path.write_text(scrub_paths(body, list(replacements)), encoding="utf-8")
     return html_path
 
 
@@ -274,27 +502,52 @@ def _cell(value) -> str:
 STATUS_STYLE = {"passed": "#d9f0d3", "failed": "#fdd0c7", "error": "#fdd0c7", "no-metrics": "#fdd0c7"}
 
 
-def write_index(report_dir: Path, results: list[RunResult], *, params_name: str, params_path: Path,
-                params_text: str) -> Path:
-    """``report_dir/index.html``: one row per run (status, time, links, headline metrics), failures spelled
-    out, the parameter set and the environment."""
+def report_metrics(results: list[RunResult], *, params_name: str, params_path: str, commit: str | None) -> dict:
+    """The report's own ``metrics.json``: ``passed`` (every run passed), what the report exercised
+    (:func:`report_exercised`) and one entry per run (status, time, gate summary, what it exercised)."""
+    runs = [(r.spec.name, run_exercised(r.metrics)) for r in results]
+    return {
+        "passed": bool(results) and all(r.ok for r in results),
+        "params": params_name, "params_file": params_path,
+        "generated": datetime.datetime.now().isoformat(timespec="seconds"),
+        "runs_passed": sum(r.ok for r in results), "runs_total": len(results),
+        "exercised": report_exercised(runs, commit),
+        "runs": [{"name": r.spec.name, "notebook": r.spec.notebook, "status": r.status,
+                  "seconds": round(r.seconds, 2), "message": r.message, "gate_summary": gate_summary(r.metrics),
+                  **ex} for r, (_, ex) in zip(results, runs)],
+    }
+
+
+def write_index(report_dir: Path, results: list[RunResult], *, params_name: str, params_path: Path | str,
+                params_text: str, commit: str | None = None, replacements: list[tuple[str, str]] = ()) -> Path:
+    """``report_dir/index.html``: what the report exercised, one row per run (status and gate summary, time,
+    what it ran, links, headline metrics), failures spelled out, the parameter set and the environment."""
     import torch
 
+    exercised = report_exercised([(r.spec.name, run_exercised(r.metrics)) for r in results], commit)
     rows = []
     for r in results:
+        ex = run_exercised(r.metrics)
         links = [f'<a href="{html.escape(r.spec.name)}.html">report</a>',
                  f'<a href="{html.escape(r.spec.name)}/{html.escape(r.spec.name)}.ipynb">notebook</a>']
         if r.metrics:
             links.append(f'<a href="{html.escape(r.spec.name)}/metrics.json">metrics.json</a>')
         links.append(f'<a href="{html.escape(r.spec.name)}/">artifacts</a>')
         metrics = "".join(f"<tr><td>{html.escape(k)}</td><td>{_cell(v)}</td></tr>"
-                          for k, v in headline(r.metrics).items())
+                          for k, v in headline(r.metrics).items() if k != "backend")
         message = f"<div class='why'>{html.escape(r.message)}</div>" if r.message else ""
+        summary = gate_summary(r.metrics)
+        summary = f"<div class='why'>{html.escape(summary)}</div>" if summary else ""
+        ran = html.escape(BACKEND_NAMES.get(ex["backend"], ex["backend"]))
+        if _ran_cuda(ex["backend"]):
+            ran += (f"<br><small>{html.escape(_names(ex['prefill_kernels']))}; K/V copy "
+                    f"{html.escape(_names(ex['kv_copy_paths']))}</small>")
         rows.append(
             f"<tr style='background:{STATUS_STYLE.get(r.status, '#fff')}'>"
             f"<td><b>{html.escape(r.spec.name)}</b><br><small>{html.escape(r.spec.notebook)}.ipynb</small></td>"
-            f"<td><b>{html.escape(r.status.upper())}</b>{message}</td><td>{r.seconds:.1f} s</td>"
-            f"<td>{' · '.join(links)}</td><td><table class='m'>{metrics}</table></td></tr>")
+            f"<td><b>{html.escape(r.status.upper())}</b>{message}{summary}</td><td>{r.seconds:.1f} s</td>"
+            f"<td>{ran}<br><small>{html.escape(ex['device'] or '—')}"
+            f"</small></td><td>{' · '.join(links)}</td><td><table class='m'>{metrics}</table></td></tr>")
     passed = sum(r.ok for r in results)
     verdict = ("all gates passed" if passed == len(results)
                else f"{len(results) - passed} of {len(results)} runs FAILED")
@@ -306,6 +559,10 @@ def write_index(report_dir: Path, results: list[RunResult], *, params_name: str,
         tf_version = "not installed"
     env = (f"python {platform.python_version()} · torch {torch.__version__} · transformers {tf_version} · "
            f"{'CUDA: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU only'}")
+    cuda = exercised["cuda_kernel_exercised"]
+    banner = banner_html(backend="cuda" if cuda else "reference", device=_names(exercised["devices"] or ["CPU"]),
+                         kernels=exercised["prefill_kernels"], copy_paths=exercised["kv_copy_paths"], commit=commit,
+                         statement=exercised["statement"])
     page = f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>pagedwindow report — {html.escape(params_name)}</title>
 <style>
@@ -317,9 +574,11 @@ pre {{ background: #f6f6f6; padding: 1em; }}
 </style></head><body>
 <h1>pagedwindow report — <code>{html.escape(params_name)}</code></h1>
 <p><b>{html.escape(verdict)}</b> ({passed}/{len(results)} passed). Generated
-{html.escape(datetime.datetime.now().isoformat(timespec='seconds'))}. {html.escape(env)}.</p>
-<table class="runs"><thead><tr><th>run</th><th>gate</th><th>time</th><th>files</th><th>headline metrics</th></tr>
-</thead><tbody>
+{html.escape(datetime.datetime.now().isoformat(timespec='seconds'))}. {html.escape(env)}.
+<a href="metrics.json">metrics.json</a></p>
+{banner}
+<table class="runs"><thead><tr><th>run</th><th>gate</th><th>time</th><th>ran</th><th>files</th>
+<th>headline metrics</th></tr></thead><tbody>
 {''.join(rows)}
 </tbody></table>
 <h2>Parameter set <code>{html.escape(str(params_path))}</code></h2>
@@ -327,7 +586,7 @@ pre {{ background: #f6f6f6; padding: 1em; }}
 </body></html>
 """
     path = report_dir / "index.html"
-    path.write_text(page)
+    path.write_text(scrub_paths(page, list(replacements)), encoding="utf-8")
     return path
 
 
@@ -384,21 +643,36 @@ def run_report(params: str = "default", out: str | os.PathLike | None = None, no
         print(f"pagedwindow report: output directory {report_dir}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
     print(f"pagedwindow report: {len(runs)} run(s) with {params_path} into {report_dir}/", file=sys.stderr)
+    repo = nb_dir.resolve().parent
+    commit = git_commit(repo)
+    replacements = machine_paths(report_dir, repo)
     results = []
-    with _kernel_environment(nb_dir.resolve().parent):
+    with _kernel_environment(repo):
         for i, spec in enumerate(runs, 1):
             print(f"[{i}/{len(runs)}] {spec.name}", file=sys.stderr, flush=True)
             run_dir = report_dir / spec.name
             result = execute_run(spec, nb_dir / f"{spec.notebook}.ipynb", run_dir, kernel_name=kernel_name,
                                  progress=progress)
             executed = run_dir / f"{spec.name}.ipynb"
+            for produced in (executed, run_dir / "metrics.json"):
+                scrub_file(produced, replacements)
             if executed.is_file():
-                render_html(executed, report_dir / f"{spec.name}.html")
+                render_html(executed, report_dir / f"{spec.name}.html", replacements=replacements,
+                            header=page_header(result, params_name=params_name, commit=commit),
+                            title=page_title(executed, spec.name, params_name))
             results.append(result)
             print(f"[{i}/{len(runs)}] {spec.name}: {result.status.upper()} in {result.seconds:.1f} s"
                   + (f" — {result.message}" if result.message else ""), file=sys.stderr, flush=True)
-    index = write_index(report_dir, results, params_name=params_name, params_path=params_path,
-                        params_text=params_path.read_text(encoding="utf-8"))
+    from .viz.artifacts import write_metrics
+    from .viz.paths import display_path
+
+    shown_params = display_path(params_path)
+    summary = report_metrics(results, params_name=params_name, params_path=shown_params, commit=commit)
+    scrub_file(write_metrics(report_dir, summary), replacements)
+    index = write_index(report_dir, results, params_name=params_name, params_path=shown_params,
+                        params_text=params_path.read_text(encoding="utf-8"), commit=commit,
+                        replacements=replacements)
+    print(f"pagedwindow report: {summary['exercised']['statement']}", file=sys.stderr)
     failed = [r for r in results if not r.ok]
     print(f"pagedwindow report: {index}", file=sys.stderr)
     if failed:

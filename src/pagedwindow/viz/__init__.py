@@ -1,8 +1,10 @@
 """Notebook support for pagedwindow: figures, artifacts and the thin drivers the notebooks call.
 
 One concept per module:
-- ``paths``: the repository root, relative paths resolved against it, a notebook's ``out_dir``;
-- ``runtime``: device / dtype names from notebook parameters, the environment summary, the backend that ran;
+- ``paths``: the repository root, relative paths resolved against it, a notebook's ``out_dir``, paths as shown;
+- ``params``: each notebook's parameters checked up front (strings from ``papermill -p`` parsed);
+- ``runtime``: device / dtype names from notebook parameters, the environment summary, the backend that ran (and
+  the CUDA launches' prefill kernel and K/V copy path);
 - ``artifacts``: ``metrics.json`` (JSON-safe), CSV rows and HTML tables written into a notebook's ``out_dir``;
 - ``figures``: matplotlib set-up (Agg unless a notebook kernel renders inline) and saving PNGs;
 - ``plan_geometry``: what each tile of a ``PrefillPagedPlan`` covers (packed rows, tokens, keys, pages read and

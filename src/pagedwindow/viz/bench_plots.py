@@ -1,10 +1,13 @@
 """Benchmark plots: useful TF/s per workload and system (the GEMM rate marked), pagedwindow's speed-up over
-each peer, and each system's output error. Missing systems are drawn as labelled gaps, never silently dropped."""
+each peer (log axis), and each system's output error against the bound the gate applied. Missing systems are drawn
+as labelled gaps, never silently dropped."""
 
 from __future__ import annotations
 
-from .bench_results import BenchResults
-from .figures import new_figure
+import math
+
+from .bench_results import BenchResults, applied_bound
+from .figures import new_figure, zero_floor
 
 
 def plot_throughput(results: BenchResults):
@@ -38,52 +41,77 @@ def plot_throughput(results: BenchResults):
 
 
 def plot_speedup(results: BenchResults):
-    """pagedwindow's speed-up over each peer per workload (peer ms / ours; > 1: we are faster)."""
+    """pagedwindow's speed-up over each peer per workload (peer ms / ours; > 1: we are faster) on a log axis, each
+    bar growing from parity (1×) and labelled with its value; ``n/a`` where either time is missing."""
     workloads = results.workloads
     peers = [s for s in results.systems if s != "pagedwindow"]
     fig, (ax,) = new_figure(width=max(6.0, 1.6 * len(workloads) + 2), height=3.6)
     width = 0.8 / max(1, len(peers))
-    labelled = set()
+    labelled, values = set(), []
     for j, s in enumerate(peers):
         for i, w in enumerate(workloads):
             ours, peer = results.record(w, "pagedwindow"), results.record(w, s)
             x = i - 0.4 + width * (j + 0.5)
             if ours and peer and ours.get("ms") and peer.get("ms"):
-                ax.bar(x, peer["ms"] / ours["ms"], width, color=f"C{j + 1}", label=None if s in labelled else s)
+                ratio = peer["ms"] / ours["ms"]
+                values.append(ratio)
+                ax.bar(x, ratio - 1.0, width, bottom=1.0, color=f"C{j + 1}", label=None if s in labelled else s)
+                ax.text(x, ratio, f"{ratio:.2g}×", ha="center", va="bottom" if ratio >= 1 else "top", fontsize=6)
                 labelled.add(s)
             else:
-                ax.text(x, 0.05, "n/a", rotation=90, ha="center", va="bottom", fontsize=6, color="grey")
+                ax.text(x, 1.0, "n/a", rotation=90, ha="center", va="bottom", fontsize=6, color="grey")
     ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_yscale("log")
+    lo, hi = min(values + [1.0]), max(values + [1.0])
+    ax.set_ylim(lo / 1.5, hi * 1.5)
     ax.set_xticks(range(len(workloads)))
     ax.set_xticklabels(workloads, fontsize=8, rotation=15)
-    ax.set_ylabel("peer ms / pagedwindow ms")
-    ax.set_title("pagedwindow speed-up over each peer (same run)", fontsize=9)
+    ax.set_ylabel("peer ms / pagedwindow ms (log)")
+    ax.set_title("pagedwindow speed-up over each peer (same run; above 1: pagedwindow is faster)", fontsize=9)
     if ax.containers:
         ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
 
 
-def plot_errors(results: BenchResults, *, limit: float | None = None):
-    """Each system's max |output − reference| per workload (log scale), the gate's limit dashed."""
+def plot_errors(results: BenchResults, *, max_err_limit: float):
+    """Each system's max |output − reference| per workload as points (workloads are categories; systems side by
+    side), log scale, exact zeros drawn at least a decade below the smallest non-zero error (the axis says where).
+    The bound the gate applied to pagedwindow on each workload (:func:`bench_results.applied_bound`: the run's
+    own ``err_bound``, else ``max_err_limit``) is drawn as a red bar across that workload."""
     fig, (ax,) = new_figure(width=max(6.0, 1.6 * len(results.workloads) + 2), height=3.6)
-    for j, s in enumerate(results.systems):
+    systems = results.systems
+    errors = [r["max_abs_err"] for r in results.records if isinstance(r.get("max_abs_err"), (int, float))]
+    zero = zero_floor(errors)
+    step = 0.7 / max(1, len(systems))
+    for j, s in enumerate(systems):
         xs, ys = [], []
         for i, w in enumerate(results.workloads):
             r = results.record(w, s)
-            if r and r.get("max_abs_err") is not None and r["max_abs_err"] > 0:
-                xs.append(i)
-                ys.append(r["max_abs_err"])
+            if r and isinstance(r.get("max_abs_err"), (int, float)) and math.isfinite(r["max_abs_err"]):
+                xs.append(i - 0.35 + step * (j + 0.5))
+                ys.append(max(r["max_abs_err"], zero))
         if xs:
-            ax.plot(xs, ys, marker="o", lw=0.8, color=f"C{j}", label=s)
-    if limit is not None:
-        ax.axhline(limit, color="#cb181d", ls="--", lw=1.0, label=f"limit {limit:g}")
+            ax.plot(xs, ys, ls="none", marker="o", ms=5, color=f"C{j}", label=s)
+    bounds = [(i, applied_bound(results.record(w, "pagedwindow"), max_err_limit=max_err_limit))
+              for i, w in enumerate(results.workloads)]
+    drawn = [(i, b) for i, b in bounds if b is not None]
+    for k, (i, b) in enumerate(drawn):
+        ax.hlines(b, i - 0.45, i + 0.45, color="#cb181d", lw=1.6,
+                  label="bound applied by the gate (pagedwindow)" if k == 0 else None)
+    if drawn and len({b for _, b in drawn}) <= 3:
+        for i, b in drawn:
+            ax.text(i + 0.45, b, f"{b:.3g}", color="#cb181d", fontsize=6, ha="right", va="bottom")
     ax.set_yscale("log")
     ax.set_xticks(range(len(results.workloads)))
     ax.set_xticklabels(results.workloads, fontsize=8, rotation=15)
-    ax.set_ylabel("max |out − reference|")
-    ax.set_title("output error checked before timing", fontsize=9)
-    if ax.lines:
-        ax.legend(fontsize=7)
+    for i in range(1, len(results.workloads)):
+        ax.axvline(i - 0.5, color="#d9d9d9", lw=0.6)
+    ax.set_xlim(-0.5, len(results.workloads) - 0.5)
+    ax.set_ylabel(f"max |out − reference|\n(exact 0 drawn at {zero:.0e})" if 0 in errors
+                  else "max |out − reference|")
+    ax.set_title("output error checked before timing, and the bound each workload was judged by", fontsize=9)
+    if ax.lines or ax.collections:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.tight_layout()
     return fig

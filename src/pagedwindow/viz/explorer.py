@@ -172,13 +172,18 @@ def run_case(case: ExplorerCase, *, backend: str = "auto", err_factor: float = 2
 def explorer_metrics(case: ExplorerCase, result: ExplorerResult, *, err_factor: float, err_slack: float) -> dict:
     """The metrics.json of notebook 02 (headline scalars, the plan, per-tile rows)."""
     plan = case.plan
+    dtype = str(case.q.dtype).replace("torch.", "")
+    summary = (f"max |ours − fp64| = {result.max_abs_err:.3g} against the limit {result.limit:.3g} = "
+               f"{err_factor:g} · max|plain − fp64| + {err_slack:g} (plain {dtype} torch: "
+               f"{result.plain_max_abs_err:.3g}); rows written: {'yes' if result.rows_written else 'NO'}, spare "
+               f"rows untouched: {'yes' if result.spare_rows_untouched else 'NO'}.")
     return {
-        "passed": result.passed, "failures": result.failures(), "backend": result.backend,
+        "passed": result.passed, "failures": result.failures(), "gate_summary": summary, "backend": result.backend,
         "max_abs_err": result.max_abs_err, "plain_max_abs_err": result.plain_max_abs_err,
         "limit": result.limit, "gate_rule": f"max|ours-fp64| <= {err_factor:g}*max|plain-fp64| + {err_slack:g}",
         "rows_written": result.rows_written, "spare_rows_untouched": result.spare_rows_untouched,
         "total_tokens": plan.total_tokens, "num_tiles": plan.num_tiles, "cta_tile_q": plan.cta_tile_q,
-        "window_left": case.window_left, "sm_scale": case.sm_scale, "dtype": str(case.q.dtype).replace("torch.", ""),
+        "window_left": case.window_left, "sm_scale": case.sm_scale, "dtype": dtype,
         "plan": plan.to_dict(),
         "tiles": [dict(s.as_row(), max_abs_err=float(result.tile_err[s.tile].max())) for s in result.spans],
     }

@@ -38,3 +38,20 @@ def output_dir(out_dir) -> Path:
         path = (repository_root() or Path.cwd()) / path
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def display_path(path) -> str:
+    """``path`` as a notebook shows or records it, never as a machine's absolute path: relative to the repository
+    root when inside it, else to the working directory when inside that, else its file name alone."""
+    path = Path(path)
+    if not path.is_absolute():
+        return path.as_posix()
+    resolved = path.resolve()
+    for root in (repository_root(), Path.cwd()):
+        if root is None:
+            continue
+        try:
+            return resolved.relative_to(root.resolve()).as_posix() or "."
+        except ValueError:
+            continue
+    return path.name

@@ -11,7 +11,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from ..plan import PrefillPagedPlan
-from .figures import new_figure, plt
+from .figures import error_log_range, new_figure, plt, zero_floor
 from .plan_geometry import TileSpan, tile_spans, visibility
 
 MASK_COLORS = ListedColormap(["#ffffff", "#9ecae1", "#08519c"])  # hidden, visible cached key, visible new key
@@ -72,12 +72,20 @@ def draw_mask(plan: PrefillPagedPlan, window_left: int, request: int = 0, ax=Non
     return ax
 
 
+MASK_COLUMNS = 2  # the masks are drawn in a grid this many panels wide
+
+
 def draw_masks(plan: PrefillPagedPlan, window_left: int, *, max_requests: int = 4):
-    """:func:`draw_mask` for the first ``max_requests`` requests, side by side. Returns the figure."""
-    n = min(plan.batch_size, max_requests)
-    fig, axes = new_figure(ncols=n, width=5.5, height=4.5)
+    """:func:`draw_mask` for the first ``max_requests`` requests in a grid :data:`MASK_COLUMNS` panels wide
+    (four requests: 2 × 2), each panel large enough to read in an HTML page. Returns the figure."""
+    n = max(1, min(plan.batch_size, max_requests))
+    ncols = min(n, MASK_COLUMNS)
+    fig, axes = new_figure(ncols=ncols, nrows=math.ceil(n / ncols), width=6.0, height=4.6)
     for r, ax in enumerate(axes):
-        draw_mask(plan, window_left, r, ax)
+        if r < n:
+            draw_mask(plan, window_left, r, ax)
+        else:
+            ax.set_axis_off()
     fig.tight_layout()
     return fig
 
@@ -119,33 +127,42 @@ def draw_tiles(plan: PrefillPagedPlan, window_left: int, spans: list[TileSpan] |
 
 
 def draw_tile_errors(tile_err: torch.Tensor, spans: list[TileSpan], packed_err: list[torch.Tensor], *,
-                     limit: float | None = None, label: str = "max |ours − fp64|"):
-    """Left: ``tile_err [num_tiles, num_kv_heads]`` as a log-scale heatmap. Right: the error of every packed row
-    (``packed_err``: per request ``[num_kv_heads, packed rows]``), requests one after another, tile boundaries
-    dotted, request boundaries solid, the gate's ``limit`` dashed."""
+                     limit: float | None = None, label: str = "max |ours − fp64|",
+                     dtype: torch.dtype = torch.bfloat16):
+    """Left: ``tile_err [num_tiles, num_kv_heads]`` as a heatmap on a fixed log scale anchored at the eps of
+    ``dtype`` (:func:`figures.error_log_range`, widened upwards only), so one ulp is a small step. Right: the error
+    of every packed row (``packed_err``: per request ``[num_kv_heads, packed rows]``), as points (rows are
+    separate outputs), requests one after another, tile boundaries dotted, request boundaries solid, the gate's
+    ``limit`` dashed. Exact zeros are drawn at least a decade below the smallest non-zero error, as the axis says."""
     fig, (left, right) = new_figure(ncols=2, width=6.0, height=max(3.2, min(9.0, 0.9 + 0.25 * len(spans))))
     if not spans:
         for ax in (left, right):
             ax.text(0.5, 0.5, "no tiles: no request has new rows", ha="center", va="center", transform=ax.transAxes)
             ax.set_axis_off()
         return fig
-    floor = 1e-12
-    log_err = torch.log10(tile_err.double().clamp_min(floor))
-    im = left.imshow(log_err.numpy(), aspect="auto", cmap="viridis", interpolation="nearest")
-    fig.colorbar(im, ax=left, label=f"log10 {label}")
+    lo, hi = error_log_range(dtype)
+    finite = tile_err.double()[torch.isfinite(tile_err.double()) & (tile_err.double() > 0)]
+    if finite.numel():
+        hi = max(hi, math.ceil(10 * math.log10(float(finite.max()))) / 10)
+    log_err = torch.log10(tile_err.double().nan_to_num(nan=10.0 ** hi, posinf=10.0 ** hi).clamp(10.0 ** lo,
+                                                                                                 10.0 ** hi))
+    im = left.imshow(log_err.numpy(), aspect="auto", cmap="viridis", interpolation="nearest", vmin=lo, vmax=hi)
+    fig.colorbar(im, ax=left, label=f"log10 {label}\n(fixed scale for {str(dtype).removeprefix('torch.')}, "
+                                     f"eps {torch.finfo(dtype).eps:.1e})")
     left.set_xticks(range(tile_err.shape[1]))
     left.set_xlabel("KV head")
     left.set_ylabel("tile")
     left.set_yticks(range(len(spans)))
     left.set_yticklabels([f"r{s.request} t{s.qo_tile}" for s in spans], fontsize=7)
     left.set_title("per-tile error", fontsize=9)
+    zero = zero_floor(*packed_err)
     offset = 0
     for r, err in enumerate(packed_err):
         rows = err.shape[1]
         x = torch.arange(offset, offset + rows)
         for h in range(err.shape[0]):
-            right.plot(x.numpy(), err[h].double().clamp_min(floor).numpy(), lw=0.8, color=f"C{h}",
-                       label=f"kv head {h}" if r == 0 else None)
+            right.plot(x.numpy(), err[h].double().clamp_min(zero).numpy(), ls="none", marker=".", ms=3,
+                       color=f"C{h}", label=f"kv head {h}" if r == 0 else None)
         right.axvline(offset - 0.5, color="black", lw=1.0)
         offset += rows
     for s in spans:
@@ -155,7 +172,7 @@ def draw_tile_errors(tile_err: torch.Tensor, spans: list[TileSpan], packed_err: 
         right.axhline(limit, color="#cb181d", ls="--", lw=1.0, label=f"gate {limit:.2g}")
     right.set_yscale("log")
     right.set_xlabel("packed row (requests in order; dotted: tile boundaries)")
-    right.set_ylabel(f"{label} (exact 0 drawn at 1e-12)")
+    right.set_ylabel(f"{label} (exact 0 drawn at {zero:.0e})")
     right.legend(fontsize=7)
     right.set_title("per packed row", fontsize=9)
     fig.tight_layout()

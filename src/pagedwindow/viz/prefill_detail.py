@@ -57,6 +57,7 @@ class PrefillDetail:
     page_size: int
     layers: list = field(default_factory=list)
     hist_edges: torch.Tensor = field(default_factory=lambda: HIST_EDGES.clone())
+    dtype: torch.dtype | None = None  # the model's dtype (the plots' error scale is anchored at its eps)
 
 
 @torch.no_grad()
@@ -66,10 +67,10 @@ def prefill_detail(model, prompt: list, *, chunks, page_size: int, backend: str,
     ``chunks`` and collect per-layer detail (see the module docstring)."""
     from ..hf.capture import capture_attention
 
-    device = next(model.parameters()).device
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     cap = capture_attention(model, torch.tensor([prompt], device=device), driver="eager", compare=("sdpa",))
     ours_all = replay_capture(cap, chunks=chunks, page_size=page_size, backend=backend, seed=seed)
-    detail = PrefillDetail(prompt_len=len(prompt), chunks=tuple(chunks), page_size=page_size)
+    detail = PrefillDetail(prompt_len=len(prompt), chunks=tuple(chunks), page_size=page_size, dtype=dtype)
     calls = sorted(cap.calls, key=lambda c: c.layer_idx)
     for call, ours in tqdm(list(zip(calls, ours_all)), desc="layers", disable=not progress, leave=False):
         eager = call.outputs["eager"][0].double()  # [L, Hq, D]
@@ -112,9 +113,16 @@ def prefill_metrics(oracle, detail: PrefillDetail) -> dict:
         rows.append(row)
     probes = [d.probe for d in detail.layers if d.probe is not None]
     worst = oracle.worst()
+    beyond = max((p.weight_beyond_window for p in probes), default=None)
+    summary = (f"max |ours − HF eager| = {max(e.ours.max_abs for e in layers):.3g} (rel "
+               f"{max(e.ours.max_rel for e in layers):.3g}); HF floor (sdpa vs eager) "
+               f"{max(e.floor.max_abs for e in layers):.3g}; worst layer {worst.layer}: {worst.gate.value:.3g} "
+               f"against {worst.gate.limit:.3g} ({worst.gate.rule}); largest weight beyond the window: "
+               f"{'not probed' if beyond is None else f'{beyond:.3g}'} (must be 0).")
     return {
         "passed": not failures,
         "failures": failures,
+        "gate_summary": summary,
         "max_abs_err": max(e.ours.max_abs for e in layers),
         "max_rel_err": max(e.ours.max_rel for e in layers),
         "floor_max_abs_err": max(e.floor.max_abs for e in layers),
@@ -124,7 +132,7 @@ def prefill_metrics(oracle, detail: PrefillDetail) -> dict:
         "worst_gate_value": worst.gate.value,
         "worst_gate_limit": worst.gate.limit,
         "weight_max_err": max((p.max_err for p in probes), default=None),
-        "weight_beyond_window": max((p.weight_beyond_window for p in probes), default=None),
+        "weight_beyond_window": beyond,
         "chunks": list(detail.chunks),
         "layers": rows,
     }

@@ -3,12 +3,12 @@ per-head heatmaps, and the error histogram against HF's backend floor. Each retu
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .figures import new_figure
+from .figures import error_log_range, new_figure, zero_floor
 from .prefill_detail import PrefillDetail
-
-TINY = 1e-12  # exact zeros are drawn here on log axes
 
 
 def _layer_label(d) -> str:
@@ -20,14 +20,18 @@ def plot_error_vs_distance(detail: PrefillDetail):
     weight at each distance (fp64 solid, ours dashed) — it must drop to exactly 0 past the window's edge."""
     fig, (left, right) = new_figure(ncols=2, width=6.2, height=3.8)
     edges = set()
+    probes = [d.probe for d in detail.layers if d.probe is not None]
+    err_zero = zero_floor(*(p.distance_max_err for p in probes))
+    weight_zero = zero_floor(*(t for p in probes for t in (p.distance_mean_weight, p.distance_mean_ours)))
     for i, d in enumerate(detail.layers):
         if d.probe is None:
             continue
         x = torch.arange(d.probe.span).numpy()
-        left.plot(x, d.probe.distance_max_err.clamp_min(TINY).numpy(), lw=0.9, color=f"C{i}", label=_layer_label(d))
-        right.plot(x, d.probe.distance_mean_weight.clamp_min(TINY).numpy(), lw=1.0, color=f"C{i}",
+        left.plot(x, d.probe.distance_max_err.clamp_min(err_zero).numpy(), lw=0.9, color=f"C{i}",
+                  label=_layer_label(d))
+        right.plot(x, d.probe.distance_mean_weight.clamp_min(weight_zero).numpy(), lw=1.0, color=f"C{i}",
                    label=f"{_layer_label(d)} fp64")
-        right.plot(x, d.probe.distance_mean_ours.clamp_min(TINY).numpy(), lw=1.0, ls="--", color=f"C{i}")
+        right.plot(x, d.probe.distance_mean_ours.clamp_min(weight_zero).numpy(), lw=1.0, ls="--", color=f"C{i}")
         if d.window_left >= 0:
             edges.add(d.window_left)
     for ax in (left, right):
@@ -35,9 +39,9 @@ def plot_error_vs_distance(detail: PrefillDetail):
             ax.axvline(e + 0.5, color="#cb181d", ls="--", lw=1.0, label=f"window edge (window_left {e})")
         ax.set_yscale("log")
         ax.set_xlabel("key distance from the query, q_pos − k")
-    left.set_ylabel(f"max |P_ours − P_fp64| (0 drawn at {TINY:g})")
+    left.set_ylabel(f"max |P_ours − P_fp64| (exact 0 drawn at {err_zero:.0e})")
     left.set_title("attention-weight error by distance", fontsize=9)
-    right.set_ylabel(f"mean attention weight (0 drawn at {TINY:g})")
+    right.set_ylabel(f"mean attention weight (exact 0 drawn at {weight_zero:.0e})")
     right.set_title("weight profile: fp64 solid, ours dashed", fontsize=9)
     left.legend(fontsize=7)
     right.legend(fontsize=6, ncol=2)
@@ -51,13 +55,15 @@ def plot_page_boundaries(detail: PrefillDetail, *, sliding_window: int | None = 
     page (a page-boundary bug shows at slot 0 or page_size − 1)."""
     fig, (left, right) = new_figure(ncols=2, width=6.2, height=3.8)
     ps = detail.page_size
+    row_zero = zero_floor(*(t for d in detail.layers for t in (d.row_err, d.row_floor)))
+    slot_zero = zero_floor(*(d.probe.slot_max_err for d in detail.layers if d.probe is not None))
     for i, d in enumerate(detail.layers):
         x = torch.arange(len(d.row_err)).numpy()
-        left.plot(x, d.row_err.clamp_min(TINY).numpy(), lw=0.9, color=f"C{i}", label=_layer_label(d))
-        left.plot(x, d.row_floor.clamp_min(TINY).numpy(), lw=0.7, ls=":", color=f"C{i}")
+        left.plot(x, d.row_err.clamp_min(row_zero).numpy(), lw=0.9, color=f"C{i}", label=_layer_label(d))
+        left.plot(x, d.row_floor.clamp_min(row_zero).numpy(), lw=0.7, ls=":", color=f"C{i}")
         if d.probe is not None:
-            right.plot(torch.arange(ps).numpy(), d.probe.slot_max_err.clamp_min(TINY).numpy(), marker="o", ms=3,
-                       lw=0.9, color=f"C{i}", label=_layer_label(d))
+            right.plot(torch.arange(ps).numpy(), d.probe.slot_max_err.clamp_min(slot_zero).numpy(), marker="o",
+                       ms=3, lw=0.9, color=f"C{i}", label=_layer_label(d))
     n_pages = -(-detail.prompt_len // ps)
     every = max(1, n_pages // 48)
     for p in range(every, n_pages, every):
@@ -69,14 +75,14 @@ def plot_page_boundaries(detail: PrefillDetail, *, sliding_window: int | None = 
                      label=f"window starts sliding (q_pos {sliding_window})")
     left.set_yscale("log")
     left.set_xlabel(f"query position (dotted: page boundaries every {ps * every})")
-    left.set_ylabel("max |ours − HF eager| (dotted: |sdpa − eager|)")
+    left.set_ylabel(f"max |ours − HF eager| (dotted: |sdpa − eager|)\nexact 0 drawn at {row_zero:.0e}")
     left.set_title("output error by query position", fontsize=9)
     left.legend(fontsize=7)
     right.set_yscale("log")
     if ps <= 32:
         right.set_xticks(range(ps))
     right.set_xlabel(f"key slot within its page (page_size {ps})")
-    right.set_ylabel("max |P_ours − P_fp64|")
+    right.set_ylabel(f"max |P_ours − P_fp64| (exact 0 drawn at {slot_zero:.0e})")
     right.set_title("weight error by slot in page", fontsize=9)
     if right.lines:
         right.legend(fontsize=7)
@@ -84,26 +90,37 @@ def plot_page_boundaries(detail: PrefillDetail, *, sliding_window: int | None = 
     return fig
 
 
-def plot_head_heatmap(detail: PrefillDetail):
-    """Max |ours − HF eager| and max |HF sdpa − eager| per (layer, query head), on one log colour scale."""
+def plot_head_heatmap(detail: PrefillDetail, *, dtype: torch.dtype | None = None):
+    """Max |ours − HF eager| and max |HF sdpa − eager| per (layer, query head) on one fixed log colour scale
+    anchored at the eps of ``dtype`` (default: the detail's; :func:`figures.error_log_range`, widened only
+    upwards to take in larger errors), so a difference of one ulp is a small step of the scale, not all of it.
+    Exact zeros are drawn at the bottom of the scale."""
+    dtype = dtype or detail.dtype or torch.float32
     err = torch.stack([d.head_err for d in detail.layers]).double()  # [layers, Hq]
-    floor = torch.stack([d.head_floor for d in detail.layers]).double()
-    logs = [torch.log10(t.clamp_min(TINY)) for t in (err, floor)]
-    lo, hi = float(min(t.min() for t in logs)), float(max(t.max() for t in logs))
+    floor = torch.stack([d.head_floor for d in detail.layers]).double()  # [layers, Hq]
+    lo, hi = error_log_range(dtype)
+    finite = torch.cat([err.flatten(), floor.flatten()])
+    finite = finite[torch.isfinite(finite) & (finite > 0)]
+    if finite.numel():
+        hi = max(hi, math.ceil(10 * math.log10(float(finite.max()))) / 10)
+    logs = [torch.log10(t.clamp(10.0 ** lo, 10.0 ** hi)) for t in (err, floor)]
     fig, axes = new_figure(ncols=2, width=max(4.0, 1.0 + 0.45 * err.shape[1]), height=1.2 + 0.45 * err.shape[0])
     for ax, values, log, title in zip(axes, (err, floor), logs, ("ours vs HF eager", "HF sdpa vs eager (floor)")):
-        im = ax.imshow(log.numpy(), cmap="magma", vmin=lo, vmax=max(hi, lo + 1e-9), aspect="auto")
+        im = ax.imshow(log.numpy(), cmap="magma", vmin=lo, vmax=hi, aspect="auto")
         if values.numel() <= 256:
-            for (r, c), v in zip(torch.cartesian_prod(torch.arange(values.shape[0]), torch.arange(values.shape[1])),
-                                 values.flatten()):
+            for (r, c), v, lv in zip(torch.cartesian_prod(torch.arange(values.shape[0]),
+                                                          torch.arange(values.shape[1])),
+                                     values.flatten(), log.flatten()):
                 ax.text(int(c), int(r), f"{float(v):.1e}", ha="center", va="center", fontsize=6,
-                        color="white" if float(torch.log10(v.clamp_min(TINY))) < (lo + hi) / 2 else "black")
+                        color="white" if float(lv) < (lo + hi) / 2 else "black")
         ax.set_yticks(range(len(detail.layers)))
         ax.set_yticklabels([_layer_label(d) for d in detail.layers] if ax is axes[0] else [], fontsize=7)
         ax.set_xticks(range(values.shape[1]))
         ax.set_xlabel("query head")
         ax.set_title(title, fontsize=9)
-    fig.colorbar(im, ax=axes, label="log10 max |error|")
+    eps = torch.finfo(dtype).eps
+    fig.colorbar(im, ax=axes, label=f"log10 max |error|\nfixed scale: {str(dtype).removeprefix('torch.')} eps "
+                                    f"{eps:.1e}; 0 at the bottom")
     return fig
 
 

@@ -1,5 +1,6 @@
 """Device and dtype names as notebook parameters spell them, a summary of the environment a run used, and which
-backend actually ran (``observe_backends``: ``backend="auto"`` decides per call)."""
+backend actually ran (``observe_backends``: ``backend="auto"`` decides per call), with the CUDA launches' prefill
+kernel and K/V copy path."""
 
 from __future__ import annotations
 
@@ -33,8 +34,9 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
-def environment(device: torch.device | None = None) -> dict:
-    """Versions and hardware of this run (for metrics.json and the report)."""
+def environment(device: torch.device | None = None, launches: Counter | None = None) -> dict:
+    """Versions and hardware of this run (for metrics.json and the report); ``kernels``: what ran
+    (:func:`launch_record` of ``launches``, default: every launch :func:`observe_backends` saw in this process)."""
     env = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
            "cuda_available": torch.cuda.is_available()}
     try:
@@ -47,17 +49,49 @@ def environment(device: torch.device | None = None) -> dict:
         env["device"] = str(device)
         if device.type == "cuda":
             env["gpu"] = torch.cuda.get_device_name(device)
+    env["kernels"] = launch_record(launches)
     return env
+
+
+class Launches(Counter):
+    """Prefill launches per backend (``{"reference": n, "cuda": m}``) and, for the CUDA launches, which prefill
+    kernel (``kernels``: ``"wgmma"`` | ``"mma_sync"``) and K/V copy path (``kv_copy_paths``: ``"tma"`` |
+    ``"cp.async"``) each one used, as counts."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kernels: Counter = Counter()
+        self.kv_copy_paths: Counter = Counter()
+
+
+_PROCESS_LAUNCHES = Launches()  # everything observe_backends saw in this process (what environment() reports)
+KERNEL_NAMES = {"wgmma": "sm_90a wgmma", "mma_sync": "mma.sync",  # how the report names the prefill kernels
+                "pw_prefill_hd256_bf16_sm90": "sm_90a wgmma", "pw_prefill_hd256_bf16": "mma.sync"}  # launchers
+
+
+def _cuda_details(cuda_module, args) -> tuple[str, str]:
+    """The prefill kernel and K/V copy path of one CUDA launch ``(q, pool, geometry, plan, ...)``; ``"unknown"``
+    where they cannot be asked (under ``torch.compile``, or the query itself fails)."""
+    if torch.compiler.is_compiling():
+        return "unknown", "unknown"
+    try:
+        _, pool, geometry, plan = args[:4]
+        return (cuda_module.prefill_kernel(pool.device),
+                cuda_module.kv_copy_path(pool, geometry, plan.num_kv_heads))
+    except Exception:  # recording what ran must never break the run
+        return "unknown", "unknown"
 
 
 @contextlib.contextmanager
 def observe_backends():
-    """Count, inside the block, the prefill launches each backend ran: yields a Counter ``{"reference": n,
-    "cuda": m}``. It watches the backends' entry points (``pagedwindow.reference`` and, when loaded,
-    ``pagedwindow.cuda``), so it reports what actually ran under ``backend="auto"``. Not thread-safe."""
+    """Count, inside the block, the prefill launches each backend ran: yields a :class:`Launches` (a Counter
+    ``{"reference": n, "cuda": m}`` that also records each CUDA launch's kernel and K/V copy path). It watches
+    the backends' entry points (``pagedwindow.reference`` and, when loaded, ``pagedwindow.cuda``), so it reports
+    what actually ran under ``backend="auto"``. What it sees is also added to this process's record, which
+    :func:`environment` reports. Not thread-safe."""
     from .. import reference
 
-    counts: Counter = Counter()
+    counts = Launches()
     modules = {"reference": reference}
     if "pagedwindow.cuda" in sys.modules or torch.cuda.is_available():
         from .. import cuda
@@ -66,10 +100,20 @@ def observe_backends():
     saved = {name: module.batch_prefill_paged_window for name, module in modules.items()}
 
     def counting(name, fn):
+        # nested blocks: only the outermost adds to the process's record, so each launch counts there once
+        records = (counts,) if getattr(fn, "_observed", False) else (counts, _PROCESS_LAUNCHES)
+
         def call(*args, **kwargs):
-            counts[name] += 1
+            for record in records:
+                record[name] += 1
+            if name == "cuda":
+                kernel, path = _cuda_details(modules["cuda"], args)
+                for record in records:
+                    record.kernels[kernel] += 1
+                    record.kv_copy_paths[path] += 1
             return fn(*args, **kwargs)
 
+        call._observed = True
         return call
 
     for name, module in modules.items():
@@ -79,6 +123,15 @@ def observe_backends():
     finally:
         for name, module in modules.items():
             module.batch_prefill_paged_window = saved[name]
+
+
+def launch_record(launches: Launches | None = None) -> dict:
+    """What ran, JSON-ready: ``{"backend": label, "launches": {backend: n}, "prefill_kernels": [...],
+    "kv_copy_paths": [...]}`` of ``launches`` (default: everything observed in this process)."""
+    launches = _PROCESS_LAUNCHES if launches is None else launches
+    return {"backend": backend_label(launches), "launches": {k: v for k, v in sorted(launches.items()) if v},
+            "prefill_kernels": sorted(k for k, v in getattr(launches, "kernels", {}).items() if v),
+            "kv_copy_paths": sorted(k for k, v in getattr(launches, "kv_copy_paths", {}).items() if v)}
 
 
 def backend_label(counts: Counter) -> str:

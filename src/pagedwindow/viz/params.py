@@ -1,0 +1,217 @@
+"""Notebook parameters checked up front: each notebook's first cell after its ``parameters`` cell calls one of the
+``check_*`` functions below, so a bad value fails at once with a one-line :class:`PagedWindowError` naming the
+parameter, before anything is built.
+
+``papermill -p name value`` passes lists, and booleans other than ``True`` / ``False``, as strings
+(``-p seq_lens '[50, 3, 0]'``): every check accepts such a string and parses it as JSON / YAML (a bare
+comma-separated list such as ``50,3,0`` too). Each ``check_*`` returns the notebook's parameters as a dict of
+clean Python values (lists of ints, bools, floats), derived defaults filled in.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from ..errors import PagedWindowError
+from ..tiles import SUPPORTED_CTA_TILE_Q
+from .runtime import DTYPES, resolve_device
+
+FAMILIES = ("gemma4", "gemma3")
+BACKENDS = ("reference", "cuda", "auto")
+PREFILL_DTYPES = ("float32", "bfloat16")
+PREFIX_DEFAULT = -1  # notebook 01's prefix_len: derived from prompt_len
+PREFIX_FRACTION = (3, 5)  # the derived prefix_len is 3/5 of prompt_len (96 of 160)
+
+
+def _parsed(value):
+    """``value``, or a string parsed as YAML (JSON is YAML); a bare ``a, b, c`` becomes a list."""
+    if not isinstance(value, str):
+        return value
+    import yaml
+
+    text = value.strip()
+    if "," in text and not text.startswith(("[", "{", '"', "'")):
+        text = f"[{text}]"
+    try:
+        return yaml.safe_load(text) if text else value
+    except yaml.YAMLError:
+        return value
+
+
+def _describe(value) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def integer(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as an int (a string such as ``"16"`` is parsed); PagedWindowError naming ``name`` otherwise."""
+    parsed = _parsed(value)
+    if isinstance(parsed, bool) or not isinstance(parsed, numbers.Integral):
+        raise PagedWindowError(f"parameter {name} must be an integer, got {_describe(value)}")
+    parsed = int(parsed)
+    if minimum is not None and parsed < minimum:
+        raise PagedWindowError(f"parameter {name} = {parsed} must be >= {minimum}")
+    if maximum is not None and parsed > maximum:
+        raise PagedWindowError(f"parameter {name} = {parsed} must be <= {maximum}")
+    return parsed
+
+
+def real(name: str, value, *, minimum: float | None = None, positive: bool = False) -> float:
+    """``value`` as a finite float (ints accepted, strings parsed)."""
+    parsed = _parsed(value)
+    if isinstance(parsed, str):  # YAML 1.1 reads "1e-3" as a string
+        try:
+            parsed = float(parsed)
+        except ValueError:
+            pass
+    if isinstance(parsed, bool) or not isinstance(parsed, numbers.Real) or not math.isfinite(parsed):
+        raise PagedWindowError(f"parameter {name} must be a finite number, got {_describe(value)}")
+    parsed = float(parsed)
+    if positive and not parsed > 0:
+        raise PagedWindowError(f"parameter {name} = {parsed:g} must be > 0")
+    if minimum is not None and parsed < minimum:
+        raise PagedWindowError(f"parameter {name} = {parsed:g} must be >= {minimum:g}")
+    return parsed
+
+
+def boolean(name: str, value) -> bool:
+    """``value`` as a bool: True/False, or a string ``true``/``false``/``yes``/``no`` (any case)."""
+    parsed = _parsed(value.lower() if isinstance(value, str) else value)
+    if not isinstance(parsed, bool):
+        raise PagedWindowError(f"parameter {name} must be true or false, got {_describe(value)}")
+    return parsed
+
+
+def choice(name: str, value, choices) -> str:
+    """``value`` if it is one of ``choices``."""
+    if value not in choices:
+        raise PagedWindowError(f"parameter {name} = {value!r} is not one of {list(choices)}")
+    return value
+
+
+def text(name: str, value) -> str:
+    """``value`` if it is a string (a path, a name)."""
+    if not isinstance(value, str):
+        raise PagedWindowError(f"parameter {name} must be a string, got {_describe(value)}")
+    return value
+
+
+def int_list(name: str, value, *, minimum: int | None = None, min_length: int = 1) -> list[int]:
+    """``value`` as a list of ints: a list or tuple, or a string such as ``"[50, 3, 0]"`` (what ``papermill -p``
+    passes) or ``"50,3,0"``."""
+    parsed = _parsed(value)
+    if isinstance(parsed, numbers.Integral) and not isinstance(parsed, bool):
+        parsed = [parsed]
+    if not isinstance(parsed, (list, tuple)):
+        raise PagedWindowError(f"parameter {name} must be a list of integers such as [37, 1, 0], got "
+                               f"{_describe(value)}")
+    if len(parsed) < min_length:
+        raise PagedWindowError(f"parameter {name} must hold at least {min_length} value(s), got {list(parsed)}")
+    out = []
+    for i, item in enumerate(parsed):
+        if isinstance(item, bool) or not isinstance(item, numbers.Integral):
+            raise PagedWindowError(f"parameter {name}[{i}] must be an integer, got {_describe(item)}")
+        if minimum is not None and item < minimum:
+            raise PagedWindowError(f"parameter {name}[{i}] = {item} must be >= {minimum}")
+        out.append(int(item))
+    return out
+
+
+def _heads(num_qo_heads, num_kv_heads) -> tuple[int, int]:
+    hq = integer("num_qo_heads", num_qo_heads, minimum=1)
+    hkv = integer("num_kv_heads", num_kv_heads, minimum=1)
+    if hq % hkv:
+        raise PagedWindowError(f"parameter num_qo_heads = {hq} must be a multiple of num_kv_heads = {hkv} "
+                               "(grouped-query attention)")
+    return hq, hkv
+
+
+def _device(value) -> str:
+    device = text("device", value)
+    try:
+        resolve_device(device)
+    except (RuntimeError, PagedWindowError) as exc:
+        raise PagedWindowError(f"parameter device = {device!r}: {exc}") from None
+    return device
+
+
+def default_prefix_len(prompt_len: int) -> int:
+    """The prefix notebook 01 prefills first when ``prefix_len`` is -1: 3/5 of ``prompt_len`` (0 below 2)."""
+    num, den = PREFIX_FRACTION
+    return (num * prompt_len) // den if prompt_len >= 2 else 0
+
+
+def prefix_length(prefix_len, prompt_len: int) -> int:
+    """``prefix_len`` checked against ``prompt_len``: -1 -> :func:`default_prefix_len`; 0 -> one step;
+    otherwise it must be below ``prompt_len`` (the rest is prefilled as a chunk on the cached prefix)."""
+    value = integer("prefix_len", prefix_len, minimum=PREFIX_DEFAULT)
+    if value == PREFIX_DEFAULT:
+        return default_prefix_len(prompt_len)
+    if value >= prompt_len:
+        raise PagedWindowError(f"parameter prefix_len = {value} must be < prompt_len = {prompt_len} (0: one "
+                               f"prefill step; -1: {PREFIX_FRACTION[0]}/{PREFIX_FRACTION[1]} of prompt_len)")
+    return value
+
+
+def check_window_prefill(*, family, num_layers, num_qo_heads, num_kv_heads, head_dim, hidden_size, sliding_window,
+                         page_size, prompt_len, prefix_len, dtype, backend, device, seed) -> dict:
+    """Notebook 01's parameters, checked; ``prefix_len`` -1 resolved to 3/5 of ``prompt_len``."""
+    hq, hkv = _heads(num_qo_heads, num_kv_heads)
+    head = integer("head_dim", head_dim, minimum=2)
+    if head % 2:
+        raise PagedWindowError(f"parameter head_dim = {head} must be even (rotary embeddings pair dimensions)")
+    prompt = integer("prompt_len", prompt_len, minimum=1)
+    return {
+        "family": choice("family", family, FAMILIES),
+        "num_layers": integer("num_layers", num_layers, minimum=1),
+        "num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": head,
+        "hidden_size": integer("hidden_size", hidden_size, minimum=1),
+        "sliding_window": integer("sliding_window", sliding_window, minimum=1),
+        "page_size": integer("page_size", page_size, minimum=1),
+        "prompt_len": prompt, "prefix_len": prefix_length(prefix_len, prompt),
+        "dtype": choice("dtype", dtype, PREFILL_DTYPES),
+        "backend": choice("backend", backend, BACKENDS), "device": _device(device),
+        "seed": integer("seed", seed, minimum=0),
+    }
+
+
+def check_kernel_explorer(*, page_size, seq_lens, start_positions, num_qo_heads, num_kv_heads, head_dim,
+                          window_left, cta_tile_q, sm_scale, dtype, backend, device, err_factor, err_slack,
+                          max_requests_drawn, seed) -> dict:
+    """Notebook 02's parameters, checked: ``seq_lens`` and ``start_positions`` of equal length, every request
+    with at least one key (``start + seq >= 1``), ``cta_tile_q`` 0 (the plan's rule) or a supported tile."""
+    seqs = int_list("seq_lens", seq_lens, minimum=0)
+    starts = int_list("start_positions", start_positions, minimum=0)
+    if len(seqs) != len(starts):
+        raise PagedWindowError(f"parameters seq_lens ({len(seqs)} values) and start_positions ({len(starts)} "
+                               "values) must have one value per request each")
+    empty = [i for i, (s, n) in enumerate(zip(starts, seqs)) if s + n == 0]
+    if empty:
+        raise PagedWindowError(f"request {empty[0]} has start_positions[{empty[0]}] + seq_lens[{empty[0]}] = 0: "
+                               "every request needs at least one key")
+    hq, hkv = _heads(num_qo_heads, num_kv_heads)
+    tile = integer("cta_tile_q", cta_tile_q, minimum=0)
+    if tile and tile not in SUPPORTED_CTA_TILE_Q:
+        raise PagedWindowError(f"parameter cta_tile_q = {tile} is not 0 (the plan's rule) or one of "
+                               f"{list(SUPPORTED_CTA_TILE_Q)}")
+    return {
+        "page_size": integer("page_size", page_size, minimum=1), "seq_lens": seqs, "start_positions": starts,
+        "num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": integer("head_dim", head_dim, minimum=1),
+        "window_left": integer("window_left", window_left, minimum=-1), "cta_tile_q": tile,
+        "sm_scale": real("sm_scale", sm_scale, positive=True),
+        "dtype": choice("dtype", dtype, tuple(DTYPES)),
+        "backend": choice("backend", backend, BACKENDS), "device": _device(device),
+        "err_factor": real("err_factor", err_factor, minimum=0.0),
+        "err_slack": real("err_slack", err_slack, minimum=0.0),
+        "max_requests_drawn": integer("max_requests_drawn", max_requests_drawn, minimum=1),
+        "seed": integer("seed", seed, minimum=0),
+    }
+
+
+def check_benchmark(*, results_dir, results_file, run_benchmark, quick, max_err_limit) -> dict:
+    """Notebook 04's parameters, checked."""
+    return {
+        "results_dir": text("results_dir", results_dir), "results_file": text("results_file", results_file),
+        "run_benchmark": boolean("run_benchmark", run_benchmark), "quick": boolean("quick", quick),
+        "max_err_limit": real("max_err_limit", max_err_limit, positive=True),
+    }

@@ -89,7 +89,7 @@ def test_a_wrong_window_in_the_integration_fails_the_oracle(monkeypatch, dtype):
 
 
 def test_rows_are_plottable():
-    case = DecodeCase("mini", (4, 9), 3, page_size=2)
+    case = DecodeCase("mini", (4, 9), 3, page_size=2, min_clear_steps=1)
     result = run_decode_case(tiny("gemma4"), case, backend="reference")
     rows = result.rows()
     assert len(rows) == 2 * 3

@@ -79,3 +79,33 @@ def test_bf16_model_shares_the_fp32_weights():
 def test_layer_type_count_must_match():
     with pytest.raises(ValueError, match="layer_types"):
         tiny_gemma4(0, num_layers=5, layer_types=["full_attention"] * 4)
+
+
+@pytest.mark.parametrize("num_layers", [1, 6, 7, 12])
+def test_gemma_layer_pattern_is_transformers_own_default(num_layers):
+    from transformers import Gemma4TextConfig
+
+    from pagedwindow.hf.models import GEMMA_SLIDING_WINDOW_PATTERN
+
+    hf_default = Gemma4TextConfig(num_hidden_layers=num_layers).layer_types  # 5 sliding : 1 full, last full
+    assert default_layer_types(num_layers, GEMMA_SLIDING_WINDOW_PATTERN) == hf_default
+    if num_layers == 12:
+        assert hf_default == (["sliding_attention"] * 5 + ["full_attention"]) * 2
+
+
+def test_sliding_window_pattern_reaches_the_built_model():
+    model = tiny_gemma4(0, num_layers=6, sliding_window_pattern=6)
+    assert [g.layer_type for g in attention_geometry(model)] == ["sliding_attention"] * 5 + ["full_attention"]
+    with pytest.raises(ValueError, match="sliding_window_pattern = 0 must be >= 1"):
+        default_layer_types(4, 0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_output_head_is_tied_unless_asked_otherwise(family):
+    tied = tiny(family)
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    own = BUILDERS[family](0, tie_word_embeddings=False)
+    assert own.lm_head.weight is not own.model.embed_tokens.weight
+    assert not torch.equal(own.lm_head.weight, own.model.embed_tokens.weight)
+    # the rest of the model is the same draw: only the head differs
+    assert torch.equal(own.model.layers[0].self_attn.q_proj.weight, tied.model.layers[0].self_attn.q_proj.weight)

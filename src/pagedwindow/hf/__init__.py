@@ -22,7 +22,8 @@ import importlib
 
 _EXPORTS = {
     "tiny_gemma4": "models", "tiny_gemma3": "models", "tiny_model": "models", "random_prompts": "models",
-    "randomize_norms": "models", "default_layer_types": "models",
+    "randomize_norms": "models", "default_layer_types": "models", "tiny_config": "models",
+    "gemma4_config": "models", "gemma3_config": "models",
     "capture_attention": "capture", "forward_logits": "capture", "AttentionCapture": "capture",
     "LayerCall": "capture",
     "PagedKvState": "paged", "StepInfo": "paged",

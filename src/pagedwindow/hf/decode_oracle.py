@@ -14,6 +14,11 @@ Gates (:mod:`~pagedwindow.hf.tolerance`): logits — ours vs HF eager over all s
 <= 1e-4, bf16 max_abs <= max(2 * floor, eps * max|ref|). Tokens — teacher-forced argmax == HF's token at every step
 whose HF margin is clear (> 2 * the logits tolerance); free-running tokens == HF's up to the first unclear step
 (after one, the contexts may legitimately part).
+
+Conclusive: teacher-forcing compares every step of every request (a divergence at an unclear step does not end
+the comparison), but only the clear-margin steps test the tokens. A case whose requests have fewer than
+``case.min_clear_steps`` clear steps in all tested nothing about the tokens: its verdict is ``"inconclusive"``
+and it does not pass, whatever else held. A failed check makes the verdict ``"failed"`` even then.
 """
 
 from __future__ import annotations
@@ -29,11 +34,16 @@ from .integration import pagedwindow_attention
 from .models import random_prompts
 from .tolerance import ErrorStats, GateResult, error_stats, gate, margin_is_clear, top2_margin
 
+MIN_CLEAR_STEPS = 8  # clear-margin teacher-forced steps a case needs to be conclusive (all requests together)
+VERDICTS = ("passed", "failed", "inconclusive")
+
 
 @dataclass(frozen=True)
 class DecodeCase:
     """prompt_lens: one prompt per request. prefill_chunks: per request, chunk sizes of its prompt (None: one
-    chunk). Our path always runs the prompts as one batch; HF runs each alone."""
+    chunk). Our path always runs the prompts as one batch; HF runs each alone. min_clear_steps: the clear-margin
+    steps (over all requests) the case needs to be conclusive; at least 1 and at most the steps compared
+    (``len(prompt_lens) * max_new_tokens``)."""
 
     name: str
     prompt_lens: tuple
@@ -41,13 +51,21 @@ class DecodeCase:
     prefill_chunks: tuple | None = None
     page_size: int = 16
     description: str = ""
+    min_clear_steps: int = MIN_CLEAR_STEPS
+
+    def __post_init__(self):
+        compared = len(self.prompt_lens) * self.max_new_tokens
+        if not 1 <= self.min_clear_steps <= compared:
+            raise PagedWindowError(
+                f"DecodeCase {self.name!r}: min_clear_steps = {self.min_clear_steps} must be in [1, {compared}] "
+                f"(the steps compared: {len(self.prompt_lens)} prompt(s) x {self.max_new_tokens} steps)")
 
 
 def default_decode_cases(sliding_window: int = 16) -> list[DecodeCase]:
     w = sliding_window
     return [
         DecodeCase("window_crossing", (w - 6,), w + 4, description="decode crosses the window edge"),
-        DecodeCase("chunked_prefill", (2 * w + 5,), 6, ((w + 4, w + 1),), page_size=5,
+        DecodeCase("chunked_prefill", (2 * w + 5,), w + 4, ((w + 4, w + 1),), page_size=5,
                    description="prompt fed in two chunks (second at start_pos > 0), then decode"),
         DecodeCase("batch_ragged", (5, 2 * w - 3, w), w // 2 + 2, page_size=3,
                    description="a batch of prompts of different lengths"),
@@ -211,8 +229,58 @@ class DecodeResult:
     session: dict = field(default_factory=dict)
 
     @property
+    def compared_steps(self) -> int:
+        """Teacher-forced steps compared (every step of every request)."""
+        return sum(len(r.clear) for r in self.requests)
+
+    @property
+    def clear_steps(self) -> int:
+        """Compared steps whose HF margin is clear: the ones that test the tokens."""
+        return sum(sum(r.clear) for r in self.requests)
+
+    @property
+    def failures(self) -> list[str]:
+        """What failed, one line each (empty when every check held)."""
+        out = []
+        for i, r in enumerate(self.requests):
+            if not r.logits_gate.passed:
+                out.append(f"request {i}: logits {r.logits_gate.rule} fails: "
+                           f"{r.logits_gate.value:.3g} > {r.logits_gate.limit:.3g}")
+            bad = [s for s, (a, t, c) in enumerate(zip(r.ours_tf_argmax, r.hf_tokens, r.clear)) if c and a != t]
+            if bad:
+                out.append(f"request {i}: teacher-forced token differs from HF's at clear-margin steps {bad}")
+            if not r.free_tokens_ok:
+                out.append(f"request {i}: free-running tokens part from HF's before the first unclear step "
+                           f"({r.first_unclear})")
+        if not self.requests:
+            out.append("no request was compared")
+        return out
+
+    @property
+    def conclusive(self) -> bool:
+        return self.clear_steps >= self.case.min_clear_steps
+
+    @property
+    def inconclusive_reason(self) -> str | None:
+        """Why the tokens were not tested enough (None when conclusive)."""
+        if self.conclusive:
+            return None
+        return (f"inconclusive: only {self.clear_steps} of {self.compared_steps} teacher-forced steps have a clear "
+                f"HF margin (top1 - top2 > 2 * tol), fewer than min_clear_steps = {self.case.min_clear_steps}: "
+                "the token check tested too little")
+
+    @property
+    def verdict(self) -> str:
+        """``"failed"`` if any check failed, else ``"inconclusive"`` below ``case.min_clear_steps`` clear steps,
+        else ``"passed"``."""
+        if self.failures:
+            return "failed"
+        return "passed" if self.conclusive else "inconclusive"
+
+    @property
     def passed(self) -> bool:
-        return all(r.logits_gate.passed and r.tf_tokens_ok and r.free_tokens_ok for r in self.requests)
+        """Every check held and the run was conclusive."""
+        return self.verdict == "passed"
 
     def rows(self) -> list:
         out = []

@@ -26,18 +26,29 @@ ATTN_LOGIT_STD = 1.5
 LAYER_SCALAR_RANGE = (0.5, 1.5)
 
 
-def default_layer_types(num_layers: int) -> list[str]:
-    """A mix of sliding and full layers: every third layer full, and the last one full (Gemma 4 requires it)."""
+DEFAULT_SLIDING_WINDOW_PATTERN = 3  # the tiny models' mix: sliding, sliding, full, ...
+GEMMA_SLIDING_WINDOW_PATTERN = 6  # Gemma 3 and Gemma 4: 5 sliding layers, then 1 full (transformers' default)
+MAX_POSITION_EMBEDDINGS = 32768  # room for prompts past 4096 tokens (the rotary embeddings used do not depend on it)
+
+
+def default_layer_types(num_layers: int, sliding_window_pattern: int = DEFAULT_SLIDING_WINDOW_PATTERN) -> list[str]:
+    """Layer ``i`` is full attention when ``(i + 1) % sliding_window_pattern == 0``, sliding otherwise, and the
+    last layer is full (Gemma 4 requires it) — transformers' own rule, whose default pattern is 6 (5 sliding : 1
+    full, :data:`GEMMA_SLIDING_WINDOW_PATTERN`). The tiny models default to 3."""
     if num_layers < 1:
         raise PagedWindowError(f"num_layers = {num_layers} must be >= 1")
-    types = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(num_layers)]
+    if sliding_window_pattern < 1:
+        raise PagedWindowError(f"sliding_window_pattern = {sliding_window_pattern} must be >= 1")
+    types = ["full_attention" if (i + 1) % sliding_window_pattern == 0 else "sliding_attention"
+             for i in range(num_layers)]
     types[-1] = "full_attention"
     return types
 
 
-def _layer_types(layer_types, num_layers: int) -> list[str]:
-    """The given layer types (one per layer) or the default mix."""
-    types = list(layer_types) if layer_types is not None else default_layer_types(num_layers)
+def _layer_types(layer_types, num_layers: int, sliding_window_pattern: int) -> list[str]:
+    """The given layer types (one per layer) or :func:`default_layer_types`."""
+    types = (list(layer_types) if layer_types is not None
+             else default_layer_types(num_layers, sliding_window_pattern))
     if len(types) != num_layers:
         raise PagedWindowError(f"layer_types has {len(types)} entries for num_layers = {num_layers}")
     return types
@@ -100,77 +111,109 @@ def _finish(model, *, seed: int, dtype: torch.dtype, device, expect: dict):
     return model
 
 
-def _build(config_cls, model_cls, seed: int, kwargs: dict):
-    config = config_cls(**kwargs)
+def gemma4_config(*, sliding_window: int | None = 16, num_layers: int = 4, layer_types: list[str] | None = None,
+                  sliding_window_pattern: int = DEFAULT_SLIDING_WINDOW_PATTERN, attn_implementation: str = "eager",
+                  vocab_size: int = 512, hidden_size: int = 256, intermediate_size: int = 512,
+                  num_attention_heads: int = 4, num_key_value_heads: int = 2, head_dim: int = 256,
+                  attention_k_eq_v: bool = True, max_position_embeddings: int = MAX_POSITION_EMBEDDINGS,
+                  tie_word_embeddings: bool = True):
+    """The ``Gemma4TextConfig`` :func:`tiny_gemma4` builds from (no weights: cheap at any width).
+    ``tie_word_embeddings=False`` gives the model its own random output head (see :func:`tiny_model`)."""
+    require_transformers()
+    from transformers import Gemma4TextConfig
+
+    types = _layer_types(layer_types, num_layers, sliding_window_pattern)
+    return Gemma4TextConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads, head_dim=head_dim, global_head_dim=head_dim,
+        sliding_window=sliding_window if sliding_window is not None else 1 << 30, layer_types=types,
+        hidden_size_per_layer_input=0, attention_k_eq_v=attention_k_eq_v, attn_implementation=attn_implementation,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+    )
+
+
+def gemma3_config(*, sliding_window: int = 16, num_layers: int = 4, layer_types: list[str] | None = None,
+                  sliding_window_pattern: int = DEFAULT_SLIDING_WINDOW_PATTERN, attn_implementation: str = "eager",
+                  vocab_size: int = 512, hidden_size: int = 256, intermediate_size: int = 512,
+                  num_attention_heads: int = 4, num_key_value_heads: int = 2, head_dim: int = 256,
+                  query_pre_attn_scalar: int = 256, max_position_embeddings: int = MAX_POSITION_EMBEDDINGS,
+                  tie_word_embeddings: bool = True):
+    """The ``Gemma3TextConfig`` :func:`tiny_gemma3` builds from (no weights: cheap at any width)."""
+    require_transformers()
+    from transformers import Gemma3TextConfig
+
+    types = _layer_types(layer_types, num_layers, sliding_window_pattern)
+    return Gemma3TextConfig(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads, head_dim=head_dim, sliding_window=sliding_window,
+        layer_types=types, query_pre_attn_scalar=query_pre_attn_scalar, attn_implementation=attn_implementation,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+    )
+
+
+def _model_class(family: str):
+    require_transformers()
+    from transformers import Gemma3ForCausalLM, Gemma4ForCausalLM
+
+    return {"gemma4": Gemma4ForCausalLM, "gemma3": Gemma3ForCausalLM}[family]
+
+
+def _tiny(family: str, seed: int, dtype: torch.dtype, device, kwargs: dict):
+    config = CONFIG_BUILDERS[family](**kwargs)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = model_cls(config)
-    return model
+        model = _model_class(family)(config)
+    return _finish(model, seed=seed, dtype=dtype, device=device,
+                   expect={"num_qo_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads,
+                           "head_dim": config.head_dim})
 
 
-def tiny_gemma4(seed: int = 0, *, sliding_window: int | None = 16, num_layers: int = 4,
-                layer_types: list[str] | None = None, dtype: torch.dtype = torch.float32, device="cpu",
-                attn_implementation: str = "eager", vocab_size: int = 512, hidden_size: int = 256,
-                intermediate_size: int = 512, num_attention_heads: int = 4, num_key_value_heads: int = 2,
-                head_dim: int = 256, attention_k_eq_v: bool = True):
-    """A random ``Gemma4ForCausalLM`` (text only, no per-layer inputs), every layer at ``head_dim``.
+def tiny_gemma4(seed: int = 0, *, dtype: torch.dtype = torch.float32, device="cpu", **config):
+    """A random ``Gemma4ForCausalLM`` (text only, no per-layer inputs), every layer at ``head_dim``; ``config``:
+    the keywords of :func:`gemma4_config`.
 
     Full layers use ``global_head_dim = head_dim`` and the same KV heads as sliding layers; with
     ``attention_k_eq_v`` the full layers reuse the key projection as value (V = v_norm(k_proj(x)), K = k_norm(...)
     + RoPE, so K != V after the norms). ``sliding_window=None`` makes the sliding layers' W huge (no effective
     window) — kept for experiments; the config field itself must be an int in Gemma 4.
     """
-    require_transformers()
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
-
-    types = _layer_types(layer_types, num_layers)
-    kwargs = dict(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads, head_dim=head_dim, global_head_dim=head_dim,
-        sliding_window=sliding_window if sliding_window is not None else 1 << 30, layer_types=types,
-        hidden_size_per_layer_input=0, attention_k_eq_v=attention_k_eq_v, attn_implementation=attn_implementation,
-        max_position_embeddings=4096,
-    )
-    model = _build(Gemma4TextConfig, Gemma4ForCausalLM, seed, kwargs)
-    return _finish(model, seed=seed, dtype=dtype, device=device,
-                   expect={"num_qo_heads": num_attention_heads, "num_kv_heads": num_key_value_heads,
-                           "head_dim": head_dim})
+    return _tiny("gemma4", seed, dtype, device, config)
 
 
-def tiny_gemma3(seed: int = 0, *, sliding_window: int = 16, num_layers: int = 4,
-                layer_types: list[str] | None = None, dtype: torch.dtype = torch.float32, device="cpu",
-                attn_implementation: str = "eager", vocab_size: int = 512, hidden_size: int = 256,
-                intermediate_size: int = 512, num_attention_heads: int = 4, num_key_value_heads: int = 2,
-                head_dim: int = 256, query_pre_attn_scalar: int = 256):
-    """A random ``Gemma3ForCausalLM``; its attention scale is ``query_pre_attn_scalar ** -0.5`` (1/16 here)."""
-    require_transformers()
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
-    types = _layer_types(layer_types, num_layers)
-    kwargs = dict(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads, head_dim=head_dim, sliding_window=sliding_window,
-        layer_types=types, query_pre_attn_scalar=query_pre_attn_scalar, attn_implementation=attn_implementation,
-        max_position_embeddings=4096,
-    )
-    model = _build(Gemma3TextConfig, Gemma3ForCausalLM, seed, kwargs)
-    return _finish(model, seed=seed, dtype=dtype, device=device,
-                   expect={"num_qo_heads": num_attention_heads, "num_kv_heads": num_key_value_heads,
-                           "head_dim": head_dim})
+def tiny_gemma3(seed: int = 0, *, dtype: torch.dtype = torch.float32, device="cpu", **config):
+    """A random ``Gemma3ForCausalLM``; ``config``: the keywords of :func:`gemma3_config`. Its attention scale is
+    ``query_pre_attn_scalar ** -0.5`` (1/16 by default)."""
+    return _tiny("gemma3", seed, dtype, device, config)
 
 
+CONFIG_BUILDERS = {"gemma4": gemma4_config, "gemma3": gemma3_config}
 TINY_BUILDERS = {"gemma4": tiny_gemma4, "gemma3": tiny_gemma3}
 
 
 def tiny_model(family: str, seed: int = 0, **kwargs):
-    """``tiny_gemma4`` or ``tiny_gemma3`` by name ("gemma4" | "gemma3")."""
+    """``tiny_gemma4`` or ``tiny_gemma3`` by name ("gemma4" | "gemma3").
+
+    Output head: tied to the embedding by default, as in Gemma. A wide random tied model mostly repeats its last
+    token (the token's own embedding dominates the final hidden state: at hidden 3840 every greedy step is a copy,
+    top1 − top2 ≈ 13), which makes a token comparison say little about attention; ``tie_word_embeddings=False``
+    draws a separate head, and the greedy tokens then follow the context."""
     try:
         builder = TINY_BUILDERS[family]
     except KeyError:
         raise PagedWindowError(f"unknown tiny model family {family!r}; one of {sorted(TINY_BUILDERS)}") from None
     return builder(seed, **kwargs)
+
+
+def tiny_config(family: str, **kwargs):
+    """The config :func:`tiny_model` would build ``family`` from, given the same keywords (less ``seed``,
+    ``dtype``, ``device``): the geometry of a model too large to build where it is checked."""
+    try:
+        builder = CONFIG_BUILDERS[family]
+    except KeyError:
+        raise PagedWindowError(f"unknown tiny model family {family!r}; one of {sorted(CONFIG_BUILDERS)}") from None
+    return builder(**kwargs)
 
 
 def random_prompts(lengths, *, vocab_size: int = 512, seed: int = 0) -> list[list[int]]:

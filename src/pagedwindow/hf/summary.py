@@ -53,7 +53,7 @@ def oracle_table(*, families=("gemma4", "gemma3"), dtypes=("float32", "bfloat16"
                 res = run_decode_case(model, case, backend=be, seed=seed + i)
                 out["decode_rows"].extend(dict(r, family=family) for r in res.rows())
                 for s in res.summary():
-                    out["decode"].append(dict(s, family=family, passed=res.passed,
+                    out["decode"].append(dict(s, family=family, passed=res.passed, verdict=res.verdict,
                                               seconds=time.perf_counter() - t0))
     return out
 
@@ -71,14 +71,14 @@ def markdown(table: dict) -> str:
             f"{r['floor_max_abs']:.2e} ({r['floor_max_rel']:.1e}) | {r['limit']:.1e} | "
             f"{r['ours_vs_fp64']:.1e} / {r['eager_vs_fp64']:.1e} / {r['sdpa_vs_fp64']:.1e} | {r['passed']} |")
     lines += ["", "| family | dtype | backend | decode case | req | prompt | logits ours max_abs (rel) | "
-              "floor max_abs (rel) | gate limit | clear steps | tf tokens | free tokens |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "floor max_abs (rel) | gate limit | clear steps | tf tokens | free tokens | verdict |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in table["decode"]:
         lines.append(
             f"| {r['family']} | {r['dtype']} | {r['backend']} | {r['case']} | {r['request']} | {r['prompt_len']} | "
             f"{r['ours_max_abs']:.2e} ({r['ours_max_rel']:.1e}) | {r['floor_max_abs']:.2e} "
             f"({r['floor_max_rel']:.1e}) | {r['gate_limit']:.1e} | {r['clear_steps']}/{r['steps']} | "
-            f"{r['tf_tokens_ok']} | {r['free_tokens_ok']} |")
+            f"{r['tf_tokens_ok']} | {r['free_tokens_ok']} | {r['verdict']} |")
     return "\n".join(lines)
 
 

@@ -1,11 +1,109 @@
-"""Notebook 03's views of a ``pagedwindow.hf.decode_oracle.DecodeResult``: the token table, the per-step logit
-difference against HF (with the floor and the tolerance) and HF's top1 − top2 margin next to it."""
+"""Notebook 03: its parameters checked up front (:func:`check_greedy_decode`), the case and model they describe,
+and its views of a ``pagedwindow.hf.decode_oracle.DecodeResult``: the token table, the per-step logit difference
+against HF (with the floor and the tolerance), HF's top1 − top2 margin next to it, and ``metrics.json``."""
 
 from __future__ import annotations
 
+from ..errors import PagedWindowError
 from .figures import new_figure
+from .params import BACKENDS, FAMILIES, PREFILL_DTYPES, boolean, choice, int_list, integer, text
+from .runtime import resolve_device
 
 TINY = 1e-12
+VOCAB_SIZE = 512  # small: the logits and the embedding stay cheap at any width
+
+
+def check_greedy_decode(*, family, num_layers, sliding_window_pattern, num_qo_heads, num_kv_heads, head_dim,
+                        hidden_size, tie_word_embeddings, sliding_window, page_size, prompt_len, extra_prompt_lens,
+                        prefix_len, max_new_tokens, min_clear_steps, dtype, backend, device, seed) -> dict:
+    """Notebook 03's parameters, checked before anything is built; returns them as clean values (a list given as
+    a string, as ``papermill -p`` passes it, parsed). Raises a one-line :class:`PagedWindowError` naming the
+    parameter: heads that do not group, ``prefix_len`` not below every prompt, ``min_clear_steps`` above the
+    steps compared, a non-positive size, an unknown family / dtype / backend, a device that is not there."""
+    from ..hf.models import MAX_POSITION_EMBEDDINGS
+
+    hq = integer("num_qo_heads", num_qo_heads, minimum=1)
+    hkv = integer("num_kv_heads", num_kv_heads, minimum=1)
+    if hq % hkv:
+        raise PagedWindowError(f"parameter num_qo_heads = {hq} must be a multiple of num_kv_heads = {hkv} "
+                               "(grouped-query attention)")
+    head = integer("head_dim", head_dim, minimum=2)
+    if head % 2:
+        raise PagedWindowError(f"parameter head_dim = {head} must be even (rotary embeddings pair dimensions)")
+    prompt = integer("prompt_len", prompt_len, minimum=1)
+    extra = int_list("extra_prompt_lens", extra_prompt_lens, minimum=1, min_length=0)
+    prefix = integer("prefix_len", prefix_len, minimum=0)
+    lens = [prompt, *extra]
+    if prefix and prefix >= min(lens):
+        name = "prompt_len" if prompt == min(lens) else f"extra_prompt_lens[{extra.index(min(lens))}]"
+        raise PagedWindowError(f"parameter prefix_len = {prefix} must be < {name} = {min(lens)} (every prompt is "
+                               "prefilled as prefix_len tokens, then the rest; 0: one prefill step)")
+    steps = integer("max_new_tokens", max_new_tokens, minimum=1)
+    if max(lens) + steps > MAX_POSITION_EMBEDDINGS:
+        raise PagedWindowError(f"parameters prompt_len / extra_prompt_lens + max_new_tokens = {max(lens) + steps} "
+                               f"exceed the model's {MAX_POSITION_EMBEDDINGS} positions")
+    compared = len(lens) * steps
+    need = integer("min_clear_steps", min_clear_steps, minimum=1)
+    if need > compared:
+        raise PagedWindowError(f"parameter min_clear_steps = {need} exceeds the {compared} steps compared "
+                               f"({len(lens)} prompt(s) x max_new_tokens = {steps}): the run could never be "
+                               "conclusive")
+    dev = text("device", device)
+    try:
+        resolve_device(dev)
+    except (RuntimeError, PagedWindowError) as exc:
+        raise PagedWindowError(f"parameter device = {dev!r}: {exc}") from None
+    return {
+        "family": choice("family", family, FAMILIES),
+        "num_layers": integer("num_layers", num_layers, minimum=1),
+        "sliding_window_pattern": integer("sliding_window_pattern", sliding_window_pattern, minimum=1),
+        "num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": head,
+        "hidden_size": integer("hidden_size", hidden_size, minimum=1),
+        "tie_word_embeddings": boolean("tie_word_embeddings", tie_word_embeddings),
+        "sliding_window": integer("sliding_window", sliding_window, minimum=1),
+        "page_size": integer("page_size", page_size, minimum=1),
+        "prompt_len": prompt, "extra_prompt_lens": extra, "prefix_len": prefix, "max_new_tokens": steps,
+        "min_clear_steps": need, "dtype": choice("dtype", dtype, PREFILL_DTYPES),
+        "backend": choice("backend", backend, BACKENDS), "device": dev,
+        "seed": integer("seed", seed, minimum=0),
+    }
+
+
+def model_kwargs(params: dict) -> dict:
+    """The ``pagedwindow.hf.tiny_model`` / ``tiny_config`` keywords (less seed, dtype, device) of checked
+    parameters: the MLP twice as wide as the model, a :data:`VOCAB_SIZE` vocabulary."""
+    p = params
+    return {"sliding_window": p["sliding_window"], "num_layers": p["num_layers"],
+            "sliding_window_pattern": p["sliding_window_pattern"], "num_attention_heads": p["num_qo_heads"],
+            "num_key_value_heads": p["num_kv_heads"], "head_dim": p["head_dim"], "hidden_size": p["hidden_size"],
+            "intermediate_size": 2 * p["hidden_size"], "vocab_size": VOCAB_SIZE,
+            "tie_word_embeddings": p["tie_word_embeddings"]}
+
+
+def decode_case(params: dict):
+    """The ``DecodeCase`` of checked parameters: prompts ``[prompt_len, *extra_prompt_lens]`` as one (ragged)
+    batch, each prefilled as ``prefix_len`` tokens then the rest (one chunk when ``prefix_len`` is 0)."""
+    from ..hf.decode_oracle import DecodeCase
+
+    p = params
+    lens = (p["prompt_len"], *p["extra_prompt_lens"])
+    prefix = p["prefix_len"]
+    chunks = tuple((prefix, n - prefix) for n in lens) if prefix else None
+    return DecodeCase("notebook", lens, p["max_new_tokens"], chunks, page_size=p["page_size"],
+                      min_clear_steps=p["min_clear_steps"])
+
+
+def run_description(params: dict, model, case, *, backend: str, device) -> str:
+    """One Markdown line: the model (family, layers and their mix, heads, width, head, window), the paging, the
+    dtype, device and the backend that ran, the prompts and their chunks, the decode steps."""
+    p, types = params, list(model.config.layer_types)
+    chunks = [list(c) for c in case.prefill_chunks] if case.prefill_chunks else "one step each"
+    return (f"**{p['family']}**, {p['num_layers']} layers ({types.count('sliding_attention')} sliding : "
+            f"{types.count('full_attention')} full), {p['num_qo_heads']}/{p['num_kv_heads']} heads × "
+            f"{p['head_dim']}, width {p['hidden_size']} ({'tied' if p['tie_word_embeddings'] else 'separate'} "
+            f"output head), W = {p['sliding_window']}, page_size {p['page_size']}, {p['dtype']} on {device}, "
+            f"backend {backend}: prompts of {list(case.prompt_lens)} tokens (chunks {chunks}), "
+            f"{case.max_new_tokens} greedy steps.")
 
 
 def token_rows(result) -> list[dict]:
@@ -62,32 +160,68 @@ def plot_decode(result, *, sliding_window: int | None = None):
 
 
 def decode_metrics(result) -> dict:
-    """Notebook 03's metrics.json: the oracle's gate (``result.passed``), what failed, and the headline numbers
-    (logits vs HF eager, HF's floor, the tolerance, how many steps had a clear margin and matched)."""
-    failures = []
-    for i, r in enumerate(result.requests):
-        if not r.logits_gate.passed:
-            failures.append(f"request {i}: logits {r.logits_gate.rule} fails: "
-                            f"{r.logits_gate.value:.3g} > {r.logits_gate.limit:.3g}")
-        bad = [s for s, (a, t, c) in enumerate(zip(r.ours_tf_argmax, r.hf_tokens, r.clear)) if c and a != t]
-        if bad:
-            failures.append(f"request {i}: teacher-forced token differs from HF's at clear-margin steps {bad}")
-        if not r.free_tokens_ok:
-            failures.append(f"request {i}: free-running tokens part from HF's before the first unclear step "
-                            f"({r.first_unclear})")
+    """Notebook 03's metrics.json: the oracle's verdict (``"passed"`` | ``"failed"`` | ``"inconclusive"``;
+    ``passed`` is true only for ``"passed"``), what failed or why it is inconclusive (``failures``), a one-line
+    ``gate_summary``, and the headline numbers (logits vs HF eager, HF's floor, the tolerance, the steps compared,
+    how many had a clear margin, how many matched). ``hf_copy_steps``: steps where HF's token repeats the token
+    just fed (a model that only copies says little through its tokens); ``clear_copy_steps``: those clear."""
     reqs = result.requests
-    return {
-        "passed": result.passed and not failures,
+    failures = list(result.failures)
+    if result.inconclusive_reason is not None:
+        failures.append(result.inconclusive_reason)
+    verdict = result.verdict
+    steps, clear = result.compared_steps, result.clear_steps
+    tf_matches = sum(a == t for r in reqs for a, t in zip(r.ours_tf_argmax, r.hf_tokens))
+    tf_clear_matches = sum(a == t for r in reqs for a, t, c in zip(r.ours_tf_argmax, r.hf_tokens, r.clear) if c)
+    free_compared = sum(r.first_unclear for r in reqs)
+    copies = [[t == fed for t, fed in zip(r.hf_tokens, [r.prompt[-1], *r.hf_tokens[:-1]])] for r in reqs]
+    metrics = {
+        "passed": verdict == "passed",
+        "verdict": verdict,
         "failures": failures,
         "max_abs_err": max(r.logits.max_abs for r in reqs),
         "max_rel_err": max(r.logits.max_rel for r in reqs),
         "floor_max_abs_err": max(r.floor.max_abs for r in reqs),
         "tolerance": min(r.tol for r in reqs),
         "gate_rule": reqs[0].logits_gate.rule,
-        "steps": sum(len(r.clear) for r in reqs),
-        "clear_steps": sum(sum(r.clear) for r in reqs),
-        "teacher_forced_matches": sum(a == t for r in reqs for a, t in zip(r.ours_tf_argmax, r.hf_tokens)),
+        "requests_compared": len(reqs),
+        "steps": steps,
+        "clear_steps": clear,
+        "min_clear_steps": result.case.min_clear_steps,
+        "teacher_forced_matches": tf_matches,
+        "clear_step_matches": tf_clear_matches,
+        "hf_copy_steps": sum(map(sum, copies)),
+        "clear_copy_steps": sum(k and c for r, cp in zip(reqs, copies) for k, c in zip(cp, r.clear)),
+        "free_running_compared": free_compared,
         "free_running_matches": sum(a == t for r in reqs for a, t in zip(r.ours_tokens, r.hf_tokens)),
         "first_unclear_step": min(r.first_unclear for r in reqs),
         "requests": result.summary(),
     }
+    worst = max(reqs, key=lambda r: r.logits_gate.value / r.logits_gate.limit if r.logits_gate.limit else 0.0)
+    metrics["gate_summary"] = (
+        f"{verdict.upper()}: logits max |ours − HF| {worst.logits_gate.value:.3g} (limit "
+        f"{worst.logits_gate.limit:.3g}: {'ok' if all(r.logits_gate.passed for r in reqs) else 'exceeded'}); "
+        f"tokens equal at "
+        f"{tf_clear_matches}/{clear} clear-margin steps of {steps} compared (need ≥ {result.case.min_clear_steps}"
+        f" clear); free-running equal up to the first unclear step: "
+        f"{'yes' if all(r.free_tokens_ok for r in reqs) else 'no'}")
+    return metrics
+
+
+def verdict_markdown(metrics: dict) -> str:
+    """The notebook's closing lines: the verdict, the gate's numbers, and every failure or the inconclusive
+    reason."""
+    m = metrics
+    lines = [f"### {m['verdict'].upper()}",
+             f"Logits: max |ours − HF eager| = {m['max_abs_err']:.3g} (rel {m['max_rel_err']:.3g}); HF floor "
+             f"{m['floor_max_abs_err']:.3g}; tolerance {m['tolerance']:.3g} ({m['gate_rule']}).",
+             f"Tokens, teacher-forced (every step of {m['requests_compared']} request(s) compared, "
+             f"{m['steps']} in all): {m['clear_steps']} steps have a clear HF margin (the run needs ≥ "
+             f"{m['min_clear_steps']} to be conclusive), our token equals HF's at {m['clear_step_matches']} of "
+             f"them ({m['teacher_forced_matches']}/{m['steps']} over all steps, unclear ones included); HF's "
+             f"token repeats the one just fed at {m['hf_copy_steps']} steps ({m['clear_copy_steps']} of them clear). "
+             f"Free-running: {m['free_running_matches']}/{m['steps']} equal; compared up to each request's first "
+             f"unclear step ({m['free_running_compared']} steps; the first unclear step is "
+             f"{m['first_unclear_step']}), after which the contexts may legitimately part."]
+    lines += [f"- {f}" for f in m["failures"]]
+    return "\n\n".join(lines)

@@ -158,7 +158,8 @@ def doctor(*, build_kernels: bool = False) -> int:
         print("backend='auto' runs the PyTorch reference: the kernels cannot be built (see above)")
         return 0
     try:
-        entry = build.cache_root() / f"{target}-{build.build_key(target, nvcc)}"
+        key = build.build_key(target, nvcc)
+        entry = build.cache_root() / f"{target}-{key}"
     except (build.BuildError, OSError, subprocess.SubprocessError) as exc:
         print(f"kernel library: unknown ({exc})")
         return 0
@@ -172,7 +173,7 @@ def doctor(*, build_kernels: bool = False) -> int:
             print(f"kernel library: the build failed, backend='auto' runs the PyTorch reference: {exc}")
             return 0
         print(f"kernel library: built or verified and loaded in {time.perf_counter() - started:.1f} s")
-    library = build.verified_library(entry, entry.name.removeprefix(f"{target}-"))
+    library = build.verified_library(entry, key)
     if library is None:
         print(f"kernel library: not built yet (or damaged); the first CUDA call builds it into {entry}")
         return 0

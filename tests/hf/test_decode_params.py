@@ -11,7 +11,7 @@ from pagedwindow import PagedWindowError, report
 from pagedwindow.hf import tiny_config
 from pagedwindow.hf._compat import attention_geometry
 from pagedwindow.hf.models import GEMMA_SLIDING_WINDOW_PATTERN
-from pagedwindow.viz import decode_views
+from pagedwindow.viz import decode_views, params
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 STEM = "03_greedy_decode_oracle"
@@ -22,7 +22,7 @@ GOOD = dict(family="gemma4", num_layers=3, sliding_window_pattern=3, num_qo_head
 
 
 def check(**overrides):
-    return decode_views.check_greedy_decode(**dict(GOOD, **overrides))
+    return params.check_greedy_decode(**dict(GOOD, **overrides))
 
 
 def test_the_check_takes_exactly_the_notebooks_parameters():
@@ -114,7 +114,7 @@ def _checked_12b() -> dict:
     """The gemma4_12b set's notebook-03 parameters, checked here (its device, cuda, checked as cpu)."""
     raw = _run_parameters("gemma4_12b", STEM)
     assert (raw["device"], raw["backend"]) == ("cuda", "cuda")
-    return decode_views.check_greedy_decode(**dict(raw, device="cpu"))
+    return params.check_greedy_decode(**dict(raw, device="cpu"))
 
 
 def test_gemma4_12b_builds_gemma4_attention_geometry():

@@ -1,72 +1,13 @@
-"""Notebook 03: its parameters checked up front (:func:`check_greedy_decode`), the case and model they describe,
-and its views of a ``pagedwindow.hf.decode_oracle.DecodeResult``: the token table, the per-step logit difference
-against HF (with the floor and the tolerance), HF's top1 − top2 margin next to it, and ``metrics.json``."""
+"""Notebook 03: the case and model its checked parameters (``params.check_greedy_decode``) describe, and its views
+of a ``pagedwindow.hf.decode_oracle.DecodeResult``: the token table, the per-step logit difference against HF
+(with the floor and the tolerance), HF's top1 − top2 margin next to it, and ``metrics.json``."""
 
 from __future__ import annotations
 
-from ..errors import PagedWindowError
 from .figures import new_figure
-from .params import BACKENDS, FAMILIES, PREFILL_DTYPES, boolean, choice, int_list, integer, text
-from .runtime import resolve_device
 
 TINY = 1e-12
 VOCAB_SIZE = 512  # small: the logits and the embedding stay cheap at any width
-
-
-def check_greedy_decode(*, family, num_layers, sliding_window_pattern, num_qo_heads, num_kv_heads, head_dim,
-                        hidden_size, tie_word_embeddings, sliding_window, page_size, prompt_len, extra_prompt_lens,
-                        prefix_len, max_new_tokens, min_clear_steps, dtype, backend, device, seed) -> dict:
-    """Notebook 03's parameters, checked before anything is built; returns them as clean values (a list given as
-    a string, as ``papermill -p`` passes it, parsed). Raises a one-line :class:`PagedWindowError` naming the
-    parameter: heads that do not group, ``prefix_len`` not below every prompt, ``min_clear_steps`` above the
-    steps compared, a non-positive size, an unknown family / dtype / backend, a device that is not there."""
-    from ..hf.models import MAX_POSITION_EMBEDDINGS
-
-    hq = integer("num_qo_heads", num_qo_heads, minimum=1)
-    hkv = integer("num_kv_heads", num_kv_heads, minimum=1)
-    if hq % hkv:
-        raise PagedWindowError(f"parameter num_qo_heads = {hq} must be a multiple of num_kv_heads = {hkv} "
-                               "(grouped-query attention)")
-    head = integer("head_dim", head_dim, minimum=2)
-    if head % 2:
-        raise PagedWindowError(f"parameter head_dim = {head} must be even (rotary embeddings pair dimensions)")
-    prompt = integer("prompt_len", prompt_len, minimum=1)
-    extra = int_list("extra_prompt_lens", extra_prompt_lens, minimum=1, min_length=0)
-    prefix = integer("prefix_len", prefix_len, minimum=0)
-    lens = [prompt, *extra]
-    if prefix and prefix >= min(lens):
-        name = "prompt_len" if prompt == min(lens) else f"extra_prompt_lens[{extra.index(min(lens))}]"
-        raise PagedWindowError(f"parameter prefix_len = {prefix} must be < {name} = {min(lens)} (every prompt is "
-                               "prefilled as prefix_len tokens, then the rest; 0: one prefill step)")
-    steps = integer("max_new_tokens", max_new_tokens, minimum=1)
-    if max(lens) + steps > MAX_POSITION_EMBEDDINGS:
-        raise PagedWindowError(f"parameters prompt_len / extra_prompt_lens + max_new_tokens = {max(lens) + steps} "
-                               f"exceed the model's {MAX_POSITION_EMBEDDINGS} positions")
-    compared = len(lens) * steps
-    need = integer("min_clear_steps", min_clear_steps, minimum=1)
-    if need > compared:
-        raise PagedWindowError(f"parameter min_clear_steps = {need} exceeds the {compared} steps compared "
-                               f"({len(lens)} prompt(s) x max_new_tokens = {steps}): the run could never be "
-                               "conclusive")
-    dev = text("device", device)
-    try:
-        resolve_device(dev)
-    except (RuntimeError, PagedWindowError) as exc:
-        raise PagedWindowError(f"parameter device = {dev!r}: {exc}") from None
-    return {
-        "family": choice("family", family, FAMILIES),
-        "num_layers": integer("num_layers", num_layers, minimum=1),
-        "sliding_window_pattern": integer("sliding_window_pattern", sliding_window_pattern, minimum=1),
-        "num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": head,
-        "hidden_size": integer("hidden_size", hidden_size, minimum=1),
-        "tie_word_embeddings": boolean("tie_word_embeddings", tie_word_embeddings),
-        "sliding_window": integer("sliding_window", sliding_window, minimum=1),
-        "page_size": integer("page_size", page_size, minimum=1),
-        "prompt_len": prompt, "extra_prompt_lens": extra, "prefix_len": prefix, "max_new_tokens": steps,
-        "min_clear_steps": need, "dtype": choice("dtype", dtype, PREFILL_DTYPES),
-        "backend": choice("backend", backend, BACKENDS), "device": dev,
-        "seed": integer("seed", seed, minimum=0),
-    }
 
 
 def model_kwargs(params: dict) -> dict:

@@ -126,6 +126,13 @@ def _heads(num_qo_heads, num_kv_heads) -> tuple[int, int]:
     return hq, hkv
 
 
+def _rotary_head_dim(value) -> int:
+    head = integer("head_dim", value, minimum=2)
+    if head % 2:
+        raise PagedWindowError(f"parameter head_dim = {head} must be even (rotary embeddings pair dimensions)")
+    return head
+
+
 def _device(value) -> str:
     device = text("device", value)
     try:
@@ -157,9 +164,7 @@ def check_window_prefill(*, family, num_layers, num_qo_heads, num_kv_heads, head
                          page_size, prompt_len, prefix_len, dtype, backend, device, seed) -> dict:
     """Notebook 01's parameters, checked; ``prefix_len`` -1 resolved to 3/5 of ``prompt_len``."""
     hq, hkv = _heads(num_qo_heads, num_kv_heads)
-    head = integer("head_dim", head_dim, minimum=2)
-    if head % 2:
-        raise PagedWindowError(f"parameter head_dim = {head} must be even (rotary embeddings pair dimensions)")
+    head = _rotary_head_dim(head_dim)
     prompt = integer("prompt_len", prompt_len, minimum=1)
     return {
         "family": choice("family", family, FAMILIES),
@@ -170,6 +175,49 @@ def check_window_prefill(*, family, num_layers, num_qo_heads, num_kv_heads, head
         "page_size": integer("page_size", page_size, minimum=1),
         "prompt_len": prompt, "prefix_len": prefix_length(prefix_len, prompt),
         "dtype": choice("dtype", dtype, PREFILL_DTYPES),
+        "backend": choice("backend", backend, BACKENDS), "device": _device(device),
+        "seed": integer("seed", seed, minimum=0),
+    }
+
+
+def check_greedy_decode(*, family, num_layers, sliding_window_pattern, num_qo_heads, num_kv_heads, head_dim,
+                        hidden_size, tie_word_embeddings, sliding_window, page_size, prompt_len, extra_prompt_lens,
+                        prefix_len, max_new_tokens, min_clear_steps, dtype, backend, device, seed) -> dict:
+    """Notebook 03's parameters, checked: ``prefix_len`` (0: one prefill step) below every prompt, the prompts
+    and decode steps within the model's positions, ``min_clear_steps`` reachable by the steps compared."""
+    from ..hf.models import MAX_POSITION_EMBEDDINGS
+
+    hq, hkv = _heads(num_qo_heads, num_kv_heads)
+    head = _rotary_head_dim(head_dim)
+    prompt = integer("prompt_len", prompt_len, minimum=1)
+    extra = int_list("extra_prompt_lens", extra_prompt_lens, minimum=1, min_length=0)
+    prefix = integer("prefix_len", prefix_len, minimum=0)
+    lens = [prompt, *extra]
+    if prefix and prefix >= min(lens):
+        name = "prompt_len" if prompt == min(lens) else f"extra_prompt_lens[{extra.index(min(lens))}]"
+        raise PagedWindowError(f"parameter prefix_len = {prefix} must be < {name} = {min(lens)} (every prompt is "
+                               "prefilled as prefix_len tokens, then the rest; 0: one prefill step)")
+    steps = integer("max_new_tokens", max_new_tokens, minimum=1)
+    if max(lens) + steps > MAX_POSITION_EMBEDDINGS:
+        raise PagedWindowError(f"parameters prompt_len / extra_prompt_lens + max_new_tokens = {max(lens) + steps} "
+                               f"exceed the model's {MAX_POSITION_EMBEDDINGS} positions")
+    compared = len(lens) * steps
+    need = integer("min_clear_steps", min_clear_steps, minimum=1)
+    if need > compared:
+        raise PagedWindowError(f"parameter min_clear_steps = {need} exceeds the {compared} steps compared "
+                               f"({len(lens)} prompt(s) x max_new_tokens = {steps}): the run could never be "
+                               "conclusive")
+    return {
+        "family": choice("family", family, FAMILIES),
+        "num_layers": integer("num_layers", num_layers, minimum=1),
+        "sliding_window_pattern": integer("sliding_window_pattern", sliding_window_pattern, minimum=1),
+        "num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": head,
+        "hidden_size": integer("hidden_size", hidden_size, minimum=1),
+        "tie_word_embeddings": boolean("tie_word_embeddings", tie_word_embeddings),
+        "sliding_window": integer("sliding_window", sliding_window, minimum=1),
+        "page_size": integer("page_size", page_size, minimum=1),
+        "prompt_len": prompt, "extra_prompt_lens": extra, "prefix_len": prefix, "max_new_tokens": steps,
+        "min_clear_steps": need, "dtype": choice("dtype", dtype, PREFILL_DTYPES),
         "backend": choice("backend", backend, BACKENDS), "device": _device(device),
         "seed": integer("seed", seed, minimum=0),
     }

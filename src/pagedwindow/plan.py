@@ -315,6 +315,13 @@ def _packed_offsets(batch: int, num_tiles: int) -> tuple[int, ...]:
     return _segment_offsets(PlanCapacity(0, 0, batch, num_tiles))
 
 
+def _scatter_live(state: _PlanState, cap: PlanCapacity, out: np.ndarray) -> None:
+    """Write each segment of ``state.packed`` to its offset in a capacity-sized buffer ``out`` [entries]."""
+    live = PlanCapacity(0, state.total_pages, state.batch_size, state.num_tiles)
+    for src, dst, n in zip(live.segment_offsets(), cap.segment_offsets(), live.segment_sizes()):
+        out[dst: dst + n] = state.packed[src: src + n]
+
+
 def _state_from_csr(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np.ndarray,
                     last_page_len: np.ndarray, heads: _Heads, tile: int | None, device,
                     page_name=_csr_page_name) -> tuple[_PlanState, str]:
@@ -485,16 +492,9 @@ class _DeviceMirror:
             staged[:entries] = state.packed
             copies = ((0, entries),)
         else:
-            o_scalars, o_pindptr, o_last, o_qo, o_req, o_qtile, o_pages = cap.segment_offsets()
-            b, t, p = state.batch_size, state.num_tiles, state.total_pages
-            staged[o_scalars: o_scalars + 3] = state.packed[:3]
-            staged[o_pindptr: o_pindptr + b + 1] = state.page_indptr
-            staged[o_last: o_last + b] = state.last_page_len
-            staged[o_qo: o_qo + b + 1] = state.qo_indptr
-            staged[o_req: o_req + t] = state.request_indices
-            staged[o_qtile: o_qtile + t] = state.qo_tile_indices
-            staged[o_pages: o_pages + p] = state.page_indices
-            head = o_qtile + t
+            _scatter_live(state, cap, staged)
+            o_pages, p = cap.segment_offsets()[6], state.total_pages
+            head = cap.segment_offsets()[5] + state.num_tiles  # end of the live tile list
             if o_pages - head <= self.MAX_COPIED_GAP:
                 copies = ((0, o_pages + p),)
             else:
@@ -671,12 +671,7 @@ class PrefillPagedPlan:
             return self._mirror(_cuda_device(device)).buffer
         buffer = torch.zeros(self.capacity.buffer_entries, dtype=torch.int32)
         if self._state is not None:
-            s, views = self._state, self._views(buffer)
-            views.scalars[:] = torch.tensor([s.batch_size, s.total_tokens, s.num_tiles], dtype=torch.int32)
-            for name in ("page_indptr", "last_page_len", "qo_indptr", "request_indices", "qo_tile_indices",
-                         "page_indices"):
-                values = getattr(s, name)
-                getattr(views, name)[: len(values)] = torch.from_numpy(values.copy())
+            _scatter_live(self._state, self.capacity, buffer.numpy())
         return buffer
 
     def device_arrays(self, device) -> PlanArrays:

@@ -18,13 +18,14 @@ NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 CHECKS = {"01_window_prefill_vs_hf": "check_window_prefill", "02_kernel_explorer": "check_kernel_explorer",
           "04_benchmark": "check_benchmark"}
 
-PREFILL = dict(family="gemma4", num_layers=3, num_qo_heads=4, num_kv_heads=2, head_dim=256, hidden_size=256,
-               sliding_window=16, page_size=5, prompt_len=40, prefix_len=24, dtype="float32", backend="reference",
-               device="cpu", seed=0)
+PREFILL = dict(family="gemma4", num_layers=3, sliding_window_pattern=3, num_qo_heads=4, num_kv_heads=2, head_dim=256,
+               hidden_size=256, sliding_window=16, page_size=5, prompt_len=40, extra_prompt_lens=[], prefix_len=24,
+               dtype="float32", backend="reference", device="cpu", seed=0)
 EXPLORER = dict(page_size=5, seq_lens=[37, 1, 20, 0], start_positions=[0, 24, 11, 9], num_qo_heads=4,
                 num_kv_heads=2, head_dim=256, window_left=13, cta_tile_q=0, sm_scale=1.0, dtype="bfloat16",
                 backend="reference", device="cpu", err_factor=2.0, err_slack=1e-3, max_requests_drawn=4, seed=0)
-BENCH = dict(results_dir="benchmarks/results", results_file="", run_benchmark=False, quick=True, max_err_limit=0.02)
+BENCH = dict(results_dir="benchmarks/results", results_file="", run_benchmark=False, quick=True, systems=[],
+             max_err_limit=0.02)
 
 
 # -- the helpers -----------------------------------------------------------------------------------------------------
@@ -131,6 +132,15 @@ def test_explorer_errors_name_the_parameter(override, match):
         params.check_kernel_explorer(**dict(EXPLORER, **override))
 
 
+def test_01_prefix_must_be_below_every_prompt_of_the_batch():
+    with pytest.raises(PagedWindowError, match=r"prefix_len = 24 must be < extra_prompt_lens\[1\] = 20"):
+        params.check_window_prefill(**dict(PREFILL, extra_prompt_lens=[30, 20]))
+    with pytest.raises(PagedWindowError, match=r"prefix_len = 30 must be < extra_prompt_lens\[0\] = 29"):
+        params.check_window_prefill(**dict(PREFILL, prompt_len=50, extra_prompt_lens="[29]", prefix_len=-1))
+    assert params.check_window_prefill(**dict(PREFILL, extra_prompt_lens="30,25"))["extra_prompt_lens"] == [30, 25]
+    assert params.check_window_prefill(**dict(PREFILL, extra_prompt_lens=[3], prefix_len=0))["prefix_len"] == 0
+
+
 # -- notebook 04 -----------------------------------------------------------------------------------------------------
 def test_benchmark_checks():
     assert params.check_benchmark(**dict(BENCH, run_benchmark="yes"))["run_benchmark"] is True
@@ -138,6 +148,27 @@ def test_benchmark_checks():
         params.check_benchmark(**dict(BENCH, max_err_limit="0"))
     with pytest.raises(PagedWindowError, match="parameter results_dir must be a string"):
         params.check_benchmark(**dict(BENCH, results_dir=3))
+
+
+@pytest.mark.parametrize("given,want", [
+    ([], ["pagedwindow", "flashinfer_fa2", "flashinfer_fa3", "flex", "sdpa"]),  # empty: all, in the table's order
+    ("", ["pagedwindow", "flashinfer_fa2", "flashinfer_fa3", "flex", "sdpa"]),
+    ("[sdpa, pagedwindow]", ["pagedwindow", "sdpa"]),                           # what `papermill -p` passes
+    ("sdpa,pagedwindow", ["pagedwindow", "sdpa"]),
+    ("sdpa", ["sdpa"]),
+])
+def test_benchmark_systems_are_names_from_the_table(given, want):
+    assert params.check_benchmark(**dict(BENCH, systems=given))["systems"] == want
+
+
+@pytest.mark.parametrize("given,match", [
+    ("[sdpa, flashattn]", r"systems: \['flashattn'\] not among"),
+    (3, "parameter systems must be a list of names"),
+    ({"a": 1}, "parameter systems must be a list of names"),
+])
+def test_benchmark_systems_refuse_unknown_names(given, match):
+    with pytest.raises(PagedWindowError, match=match):
+        params.check_benchmark(**dict(BENCH, systems=given))
 
 
 # -- the notebooks call them first -----------------------------------------------------------------------------------
@@ -192,7 +223,7 @@ def test_02_accepts_a_list_as_papermill_passes_it(tmp_path):
 def test_01_with_a_short_prompt_derives_its_prefix(tmp_path):
     import json
 
-    out = _run("01_window_prefill_vs_hf", tmp_path, prompt_len=50, prefix_len=-1)
+    out = _run("01_window_prefill_vs_hf", tmp_path, prompt_len=50, extra_prompt_lens=[41], prefix_len=-1)
     m = json.loads((out / "metrics.json").read_text())
     assert m["passed"] is True, m["failures"]
-    assert m["prompt_len"] == 50 and m["prefix_len"] == 30 and m["chunks"] == [30, 20]
+    assert m["prompt_lens"] == [50, 41] and m["prefix_len"] == 30 and m["chunks"] == [30, 20]

@@ -239,3 +239,21 @@ def test_gate_summary_prefers_the_runs_own_sentence():
         "all 3 layers within 1e-4"
     assert report.gate_summary({"passed": True, "max_abs_err": 0.5, "tolerance": 0.25, "steps": 4, "x": 1}) == \
         "max_abs_err 0.5; tolerance 0.25; steps 4"
+
+
+@pytest.mark.parametrize("status,metrics,label", [
+    ("passed", {"passed": True}, "PASSED"),
+    ("failed", {"passed": False, "verdict": "failed"}, "FAILED"),
+    ("failed", {"passed": False, "verdict": "inconclusive",
+                "failures": ["3 clear-margin steps, fewer than min_clear_steps 8"]}, "INCONCLUSIVE"),
+    ("error", {}, "ERROR"),
+    ("no-metrics", {}, "NO METRICS"),
+])
+def test_the_page_and_the_index_show_the_runs_verdict(tmp_path, status, metrics, label):
+    result = report.RunResult(report.RunSpec("03", "03_greedy_decode_oracle", {}), status, 1.0, metrics)
+    assert result.label == label
+    header = report.page_header(result, params_name="smoke", commit=None)
+    assert f"03: gate {label}</h2>" in header
+    assert all(f in header for f in metrics.get("failures", []))
+    report.write_index(tmp_path, [result], params_name="smoke", params_path="smoke.yaml", params_text="seed: 0\n")
+    assert f"<b>{label}</b>" in (tmp_path / "index.html").read_text()

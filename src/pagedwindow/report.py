@@ -196,6 +196,14 @@ class RunResult:
     def ok(self) -> bool:
         return self.status == "passed"
 
+    @property
+    def label(self) -> str:
+        """The verdict as shown: the status in capitals, ``INCONCLUSIVE`` for a gate that failed because the run
+        could not decide (notebook 03's ``verdict``), ``NO METRICS`` for a run without them."""
+        if self.status == "failed" and self.metrics.get("verdict") == "inconclusive":
+            return "INCONCLUSIVE"
+        return self.status.replace("-", " ").upper()
+
 
 @contextlib.contextmanager
 def _kernel_environment(repo: Path):
@@ -425,7 +433,7 @@ def page_title(executed: Path, run: str, params_name: str) -> str:
 def page_header(result: RunResult, *, params_name: str, commit: str | None) -> str:
     """The top of a run's page: a link back to the index, the verdict with the gate's key numbers, what ran."""
     ex = run_exercised(result.metrics)
-    verdict = {"passed": "PASSED", "failed": "FAILED", "error": "ERROR", "no-metrics": "NO METRICS"}[result.status]
+    verdict = result.label
     failures = result.metrics.get("failures") or ([result.message] if result.message else [])
     items = "".join(f"<li><code>{html.escape(str(f))}</code></li>" for f in failures)
     summary = gate_summary(result.metrics)
@@ -545,7 +553,7 @@ def write_index(report_dir: Path, results: list[RunResult], *, params_name: str,
         rows.append(
             f"<tr style='background:{STATUS_STYLE.get(r.status, '#fff')}'>"
             f"<td><b>{html.escape(r.spec.name)}</b><br><small>{html.escape(r.spec.notebook)}.ipynb</small></td>"
-            f"<td><b>{html.escape(r.status.upper())}</b>{message}{summary}</td><td>{r.seconds:.1f} s</td>"
+            f"<td><b>{html.escape(r.label)}</b>{message}{summary}</td><td>{r.seconds:.1f} s</td>"
             f"<td>{ran}<br><small>{html.escape(ex['device'] or '—')}"
             f"</small></td><td>{' · '.join(links)}</td><td><table class='m'>{metrics}</table></td></tr>")
     passed = sum(r.ok for r in results)
@@ -661,7 +669,7 @@ def run_report(params: str = "default", out: str | os.PathLike | None = None, no
                             header=page_header(result, params_name=params_name, commit=commit),
                             title=page_title(executed, spec.name, params_name))
             results.append(result)
-            print(f"[{i}/{len(runs)}] {spec.name}: {result.status.upper()} in {result.seconds:.1f} s"
+            print(f"[{i}/{len(runs)}] {spec.name}: {result.label} in {result.seconds:.1f} s"
                   + (f" — {result.message}" if result.message else ""), file=sys.stderr, flush=True)
     from .viz.artifacts import write_metrics
     from .viz.paths import display_path

@@ -117,6 +117,21 @@ def int_list(name: str, value, *, minimum: int | None = None, min_length: int = 
     return out
 
 
+def name_list(name: str, value, choices) -> list[str]:
+    """``value`` as a list of names from ``choices`` (a list, or a string such as ``"[a, b]"`` or ``"a,b"``);
+    empty means all of them, in ``choices``' order."""
+    parsed = _parsed(value)
+    if isinstance(parsed, str):
+        parsed = [parsed] if parsed else []
+    if not isinstance(parsed, (list, tuple)):
+        raise PagedWindowError(f"parameter {name} must be a list of names from {list(choices)}, got "
+                               f"{_describe(value)}")
+    unknown = [item for item in parsed if item not in choices]
+    if unknown:
+        raise PagedWindowError(f"parameter {name}: {unknown} not among {list(choices)}")
+    return [c for c in choices if c in parsed] if parsed else list(choices)
+
+
 def _heads(num_qo_heads, num_kv_heads) -> tuple[int, int]:
     hq = integer("num_qo_heads", num_qo_heads, minimum=1)
     hkv = integer("num_kv_heads", num_kv_heads, minimum=1)
@@ -160,20 +175,29 @@ def prefix_length(prefix_len, prompt_len: int) -> int:
     return value
 
 
-def check_window_prefill(*, family, num_layers, num_qo_heads, num_kv_heads, head_dim, hidden_size, sliding_window,
-                         page_size, prompt_len, prefix_len, dtype, backend, device, seed) -> dict:
-    """Notebook 01's parameters, checked; ``prefix_len`` -1 resolved to 3/5 of ``prompt_len``."""
+def check_window_prefill(*, family, num_layers, sliding_window_pattern, num_qo_heads, num_kv_heads, head_dim,
+                         hidden_size, sliding_window, page_size, prompt_len, extra_prompt_lens, prefix_len, dtype,
+                         backend, device, seed) -> dict:
+    """Notebook 01's parameters, checked; ``prefix_len`` -1 resolved to 3/5 of ``prompt_len``, and below every
+    prompt of the batch (each is prefilled as ``prefix_len`` tokens, then the rest)."""
     hq, hkv = _heads(num_qo_heads, num_kv_heads)
     head = _rotary_head_dim(head_dim)
     prompt = integer("prompt_len", prompt_len, minimum=1)
+    extra = int_list("extra_prompt_lens", extra_prompt_lens, minimum=1, min_length=0)
+    prefix = prefix_length(prefix_len, prompt)
+    if prefix and extra and prefix >= min(extra):
+        raise PagedWindowError(f"parameter prefix_len = {prefix} must be < extra_prompt_lens"
+                               f"[{extra.index(min(extra))}] = {min(extra)} (every prompt is prefilled as prefix_len "
+                               "tokens, then the rest; 0: one prefill step)")
     return {
         "family": choice("family", family, FAMILIES),
         "num_layers": integer("num_layers", num_layers, minimum=1),
+        "sliding_window_pattern": integer("sliding_window_pattern", sliding_window_pattern, minimum=1),
         "num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": head,
         "hidden_size": integer("hidden_size", hidden_size, minimum=1),
         "sliding_window": integer("sliding_window", sliding_window, minimum=1),
         "page_size": integer("page_size", page_size, minimum=1),
-        "prompt_len": prompt, "prefix_len": prefix_length(prefix_len, prompt),
+        "prompt_len": prompt, "extra_prompt_lens": extra, "prefix_len": prefix,
         "dtype": choice("dtype", dtype, PREFILL_DTYPES),
         "backend": choice("backend", backend, BACKENDS), "device": _device(device),
         "seed": integer("seed", seed, minimum=0),
@@ -256,9 +280,12 @@ def check_kernel_explorer(*, page_size, seq_lens, start_positions, num_qo_heads,
     }
 
 
-def check_benchmark(*, results_dir, results_file, run_benchmark, quick, max_err_limit) -> dict:
-    """Notebook 04's parameters, checked."""
+def check_benchmark(*, results_dir, results_file, run_benchmark, quick, systems, max_err_limit) -> dict:
+    """Notebook 04's parameters, checked (``systems``: empty means every system the benchmark knows)."""
+    from .bench_results import SYSTEMS
+
     return {
+        "systems": name_list("systems", systems, SYSTEMS),
         "results_dir": text("results_dir", results_dir), "results_file": text("results_file", results_file),
         "run_benchmark": boolean("run_benchmark", run_benchmark), "quick": boolean("quick", quick),
         "max_err_limit": real("max_err_limit", max_err_limit, positive=True),

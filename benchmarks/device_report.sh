@@ -17,13 +17,18 @@ step() { echo; echo "### $*" | tee -a "$LOG"; }
 step "environment: a venv over the system packages, with the report's wheels"
 t0=$(date +%s)
 VENV=/tmp/pw-report-venv
+# torch may live outside the system site (a user site, a PYTHONPATH entry) that a venv does not see: name its
+# directory on PYTHONPATH so the venv's pip counts what is there as installed
+TORCH_SITE=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))") || exit 3
+export PYTHONPATH=$PYTHONPATH:$TORCH_SITE
 python3 -m venv --system-site-packages "$VENV" || exit 3
 PY=$VENV/bin/python
 $PY -m pip install -q --disable-pip-version-check --no-index --find-links .report-wheels \
   -r benchmarks/report-wheels.txt 2>&1 | tee -a "$LOG" || exit 3
 $PY -m ipykernel install --sys-prefix --name python3 >/dev/null 2>&1 | tee -a "$LOG"
 $PY -c "import papermill, nbconvert, torch, transformers; print('papermill', papermill.__version__, 'nbconvert',
-nbconvert.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" 2>&1 | tee -a "$LOG"
+nbconvert.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)" 2>&1 | tee -a "$LOG" \
+  || exit 3
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$LOG"
 GPU=$($PY -c "import torch; from pagedwindow.bench import gpu_slug; print(gpu_slug(torch.cuda.get_device_name()))")
 NAME=$GPU-$(date -u +%F)
@@ -35,10 +40,12 @@ $PY -m pagedwindow doctor --build 2>&1 | tee -a "$LOG"
 step "pagedwindow report --params $PARAMS --out reports/$NAME"
 t2=$(date +%s)
 mkdir -p reports
-$PY -m pagedwindow report --params "$PARAMS" --out "reports/$NAME" 2>&1 | tee -a "$LOG"
+# REPORT_TIMEOUT_S stops the report in time to pack what it has (the device's per-call limit)
+timeout --signal=INT "${REPORT_TIMEOUT_S:-3600}" \
+  $PY -m pagedwindow report --params "$PARAMS" --out "reports/$NAME" 2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
 t3=$(date +%s)
-tar -czf "$OUT/report.tar.gz" -C reports "$NAME"
+tar -czf "$OUT/report.tar.gz" -C reports "$NAME" 2>&1 | tee -a "$LOG"
 echo
 echo "| step | result | seconds |"
 echo "|---|---|---|"

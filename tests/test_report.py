@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -232,6 +233,14 @@ def test_scrub_paths_makes_machine_paths_relative():
     assert report.scrub_paths(text, pairs) == (
         "Written: 01/metrics.json; results benchmarks/x.json; cwd .; <python>/lib/site.py; ~/.cache/k; "
         "/srv/root/keep; /tmp/rest/keep; /work/mainline; File \x1b[0;32msrc/a.py\x1b[0m")
+
+
+def test_machine_paths_cover_package_directories_outside_the_prefix(tmp_path, monkeypatch):
+    site = "/opt/elsewhere/lib/python3.12/site-packages"
+    monkeypatch.setattr(sys, "path", [*sys.path, site])
+    pairs = report.machine_paths(tmp_path / "r", None)
+    warning = f"{site}/tqdm/auto.py:21: TqdmWarning: IProgress not found"
+    assert report.scrub_paths(warning, pairs) == "<site-packages>/tqdm/auto.py:21: TqdmWarning: IProgress not found"
 
 
 def test_gate_summary_prefers_the_runs_own_sentence():

@@ -391,10 +391,13 @@ def scrub_paths(text: str, replacements: list[tuple[str, str]]) -> str:
 
 def machine_paths(report_dir: Path, repo: Path | None) -> list[tuple[str, str]]:
     """The absolute prefixes :func:`scrub_paths` removes: the report directory (-> relative to it), the
-    repository (-> relative to it), the home directory (-> ``~/``) and Python's prefixes (-> ``<python>/``)."""
+    repository (-> relative to it), the home directory (-> ``~/``), Python's prefixes (-> ``<python>/``) and
+    every package directory on ``sys.path`` (-> ``<site-packages>/``: one named on ``PYTHONPATH`` may lie outside
+    the prefixes)."""
     pairs = []
+    sites = [(Path(p), "<site-packages>/") for p in sys.path if Path(p).name in ("site-packages", "dist-packages")]
     for path, replacement in ((report_dir, ""), (repo, ""), (Path.home(), "~/"), (Path(sys.prefix), "<python>/"),
-                              (Path(sys.base_prefix), "<python>/")):
+                              (Path(sys.base_prefix), "<python>/"), *sites):
         if path is None:
             continue
         for form in {str(Path(path).absolute()), str(Path(path).resolve())}:

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the kernels, run the GPU suite, memcheck, the error table, the benchmark;
 # a short table last. Usage (repository root, on the device): bash benchmarks/device_run.sh [pytest paths...]
-# Env: SKIP_SUITE / SKIP_MMA_SYNC_SUITE / SKIP_MEMCHECK / SKIP_BENCH / SKIP_HOST_COST=1 skip a step; BENCH_ARGS adds bench flags;
+# Env: SKIP_SUITE / SKIP_MMA_SYNC_SUITE / SKIP_MEMCHECK / SKIP_BENCH / SKIP_HOST_COST=1 skip a step; BENCH_ARGS adds bench flags,
+# HOST_COST_ARGS host_cost.py flags. FlashInfer comes from .whl/peer-site.tar.xz (benchmarks/pack_peer_site.sh: the
+# wheels installed and xz-packed, 19 MB, so the tree fits beside it in one call) or else from .whl/*.whl;
 # VARIANTS="label:VAR=value,VAR=value:tile ..." times pagedwindow alone for each kernel variant (environment, e.g.
 # PAGEDWINDOW_PREFILL_KERNEL or PAGEDWINDOW_NVCC_FLAGS, and plan tile) after the main bench.
 # Results: $OUT/log.txt, the main bench's JSON/MD, host_cost.json, and every bench file in $OUT/bench.tar.gz.
@@ -11,7 +13,9 @@ mkdir -p "$OUT"
 LOG=$OUT/log.txt
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export PAGEDWINDOW_CACHE_DIR=/tmp/pagedwindow-cache PAGEDWINDOW_REQUIRE_GPU=1
-if ls .whl/*.whl >/dev/null 2>&1; then
+if [ -f .whl/peer-site.tar.xz ]; then  # the peers' packages, installed here and packed small (pack_peer_site.sh)
+  mkdir -p /tmp/site && tar -xJf .whl/peer-site.tar.xz -C /tmp/site && export PYTHONPATH=$PYTHONPATH:/tmp/site
+elif ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
@@ -75,7 +79,7 @@ t4=$(date +%s)
 host="skipped"
 if [ "${SKIP_HOST_COST:-0}" != 1 ]; then
   step "host cost per call and plan build: python3 benchmarks/host_cost.py"
-  python3 benchmarks/host_cost.py --json "$OUT/host_cost.json" 2>&1 | tee -a "$LOG" | tail -8
+  python3 benchmarks/host_cost.py --json "$OUT/host_cost.json" ${HOST_COST_ARGS:-} 2>&1 | tee -a "$LOG" | tail -8
   host="rc=${PIPESTATUS[0]}"
 fi
 t5=$(date +%s)

@@ -207,11 +207,20 @@ def _live_entries(plan: pw.PrefillPagedPlan, buffer: torch.Tensor) -> list[list[
             views.qo_tile_indices[:t].tolist(), views.page_indices[:p].tolist()]
 
 
+@pytest.mark.parametrize("passes", ["compiled", "numpy and torch copies"])
 @pytest.mark.parametrize("max_tiles", [None, 64, 100_000], ids=["exact", "one-copy", "two-copies"])
-def test_every_upload_shape_fills_the_live_entries(max_tiles):
+def test_every_upload_shape_fills_the_live_entries(max_tiles, passes, monkeypatch):
     """An exact-size plan uploads its packed block; a preallocated one copies header, tiles and pages in one copy
     when the unused tile entries between them are few, else in two. After each of a sequence of updates the
-    device buffer's live entries equal the plan's state (and the CPU buffer's)."""
+    device buffer's live entries equal the plan's state (and the CPU buffer's). Both host paths: the compiled
+    pass and upload (``kernels/plan_pack.cpp``), and numpy with torch copies."""
+    from pagedwindow import cuda as cuda_backend
+    from pagedwindow import plan as plan_module
+
+    cuda_backend.require()  # the library (and its compiled pass) loaded
+    if passes != "compiled":
+        monkeypatch.setattr(plan_module, "_loaded_kernels", lambda: None)
+        monkeypatch.setattr(plan_module, "_host_pass_library", lambda device: None)
     kwargs = dict(num_qo_heads=16, num_kv_heads=8, head_dim=D, page_size=16)
     batches = [([[3, 4]], [16], [17], [15]), ([[9], [1, 2, 5]], [4, 16], [0, 40], [4, 8]),
                ([[7, 8, 10]], [1], [0], [33])]

@@ -372,7 +372,7 @@ def test_a_built_wheel_ships_the_kernels_and_compiles_them(tmp_path):
                if "__pycache__" not in p.parts}
     assert modules <= names, f"modules missing from the wheel (list new subpackages in pyproject.toml): " \
                              f"{sorted(modules - names)}"
-    kernels = {p.name for p in (REPO / "kernels").iterdir() if p.suffix in (".cu", ".cuh")}
+    kernels = {p.name for p in (REPO / "kernels").iterdir() if p.suffix in (".cu", ".cuh", ".cpp")}
     assert {n.removeprefix("pagedwindow/kernels/") for n in names if n.startswith("pagedwindow/kernels/")} \
         == kernels
     for name in kernels:

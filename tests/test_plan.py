@@ -12,6 +12,15 @@ import pagedwindow as pw
 from pagedwindow import tiles
 from pagedwindow.plan import SUPPORTED_CTA_TILE_Q, PlanArrays
 
+from . import host_pass
+
+
+@pytest.fixture(autouse=True, scope="module", params=host_pass.PASSES)
+def plan_pass(request, tmp_path_factory):
+    """Every test here runs with the plan's numpy pass, then with the compiled pass (``kernels/plan_pack.cpp``)."""
+    yield from host_pass.install(request, tmp_path_factory)
+
+
 HEADS = dict(num_qo_heads=4, num_kv_heads=2, head_dim=8, page_size=4)
 GOOD = dict(page_indices=[[3, 1], [0]], last_page_lens=[2, 3], start_positions=[2, 0], seq_lens=[4, 3])
 

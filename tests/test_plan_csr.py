@@ -19,6 +19,15 @@ import pagedwindow as pw
 from pagedwindow.errors import INT32_MAX
 from pagedwindow.plan import PLAN_BUFFER_MAX_ENTRIES, SUPPORTED_CTA_TILE_Q, PlanCapacity
 
+from . import host_pass
+
+
+@pytest.fixture(autouse=True, scope="module", params=host_pass.PASSES)
+def plan_pass(request, tmp_path_factory):
+    """Every test here runs with the plan's numpy pass, then with the compiled pass (``kernels/plan_pack.cpp``)."""
+    yield from host_pass.install(request, tmp_path_factory)
+
+
 HEADS = dict(num_qo_heads=4, num_kv_heads=2, head_dim=8, page_size=4)
 # The batch of test_plan.GOOD as CSR: request 0 holds pages [3, 1], kv_len 6, 4 new rows; request 1 page [0],
 # kv_len 3, 3 new rows.

@@ -29,6 +29,7 @@ launches of one plan belong on one stream (the copies are ordered on it). Segmen
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -324,9 +325,10 @@ def _scatter_live(state: _PlanState, cap: PlanCapacity, out: np.ndarray) -> None
 
 def _state_from_csr(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np.ndarray,
                     last_page_len: np.ndarray, heads: _Heads, tile: int | None, device,
-                    page_name=_csr_page_name) -> tuple[_PlanState, str]:
+                    page_name=_csr_page_name, given=()) -> tuple[_PlanState, str]:
     """Validate CSR arrays (any integer dtype) and derive the plan; ``tile`` None asks the policy. Returns
-    (state, tile reason). ``page_name(flat index, kv_indptr)`` names a page id in error messages.
+    (state, tile reason). ``page_name(flat index, kv_indptr)`` names a page id in error messages. ``given``: the
+    caller's objects the arrays were read from (CPU tensors hand the compiled pass their addresses cheaply).
 
     Each rule is first checked in one vectorised pass over everything it covers; only a failing pass re-runs the
     detailed check that names the offending entry."""
@@ -334,6 +336,11 @@ def _state_from_csr(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np
     if batch == 0:
         raise PagedWindowError("a plan needs at least one request; last_page_len is empty")
     checked_i32("batch_size", batch)
+    lib = _host_pass_library(device)
+    if lib is not None:
+        packed = _compiled_pass(lib, (qo_indptr, kv_indptr, kv_indices, last_page_len), given, heads, tile, device)
+        if packed is not None:
+            return packed
     if len(qo_indptr) != batch + 1 or len(kv_indptr) != batch + 1:
         _check_indptr("qo_indptr", qo_indptr.astype(np.int64, copy=False), batch, "seq_len")
         _check_indptr("kv_indptr", kv_indptr.astype(np.int64, copy=False), batch, "page count", minimum=1)
@@ -390,17 +397,85 @@ def _state_from_csr(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np
     packed[o[4]: o[5]] = request_indices
     packed[o[5]: o[6]] = qo_tile_indices
     packed[o[6]:] = pages
+    state = _state_of_block(heads, tile, packed, start.astype(np.int32), batch=batch, total_tokens=total_tokens,
+                            total_pages=total_pages, num_tiles=num_tiles, max_page_index=high,
+                            max_last_page_len=max_last)
+    return state, reason
+
+
+def _state_of_block(heads: _Heads, tile: int, packed: np.ndarray, start_positions: np.ndarray, *, batch: int,
+                    total_tokens: int, total_pages: int, num_tiles: int, max_page_index: int,
+                    max_last_page_len: int) -> _PlanState:
+    """The state whose arrays are read-only views of ``packed`` (the block in buffer order, exactly full)."""
+    o = _packed_offsets(batch, num_tiles)
     packed.flags.writeable = False  # views taken below are read-only too
-    start_positions = start.astype(np.int32)  # [batch]
     start_positions.flags.writeable = False
-    state = _PlanState(
+    return _PlanState(
         num_qo_heads=heads.num_qo_heads, num_kv_heads=heads.num_kv_heads, head_dim=heads.head_dim,
-        page_size=page_size, cta_tile_q=tile, packed=packed, page_indices=packed[o[6]:],
+        page_size=heads.page_size, cta_tile_q=tile, packed=packed, page_indices=packed[o[6]:],
         page_indptr=packed[o[1]: o[2]], last_page_len=packed[o[2]: o[3]], qo_indptr=packed[o[3]: o[4]],
         request_indices=packed[o[4]: o[5]], qo_tile_indices=packed[o[5]: o[6]], start_positions=start_positions,
-        max_page_index=high, max_last_page_len=max_last, batch_size=batch,
+        max_page_index=max_page_index, max_last_page_len=max_last_page_len, batch_size=batch,
         total_tokens=total_tokens, total_pages=total_pages, num_tiles=num_tiles,
     )
+
+
+_NATIVE_DTYPES = {np.dtype(np.int32): 0, np.dtype(np.int64): 1}
+
+
+def _host_pass_library(device):
+    """The compiled host pass's library for a plan on ``device`` (``pagedwindow.cuda.host_pass``), or None."""
+    lib = _loaded_kernels()
+    if lib is not None or device is None:
+        return lib
+    from .cuda import host_pass
+
+    return host_pass.library(torch.device(device))
+
+
+def _address(array: np.ndarray, given) -> int:
+    """``array``'s data address: from the CPU tensor it views when there is one (cheap), else numpy's."""
+    if isinstance(given, torch.Tensor) and given.device.type == "cpu":
+        return given.data_ptr()  # int_array returned given.numpy(): the same memory
+    return array.ctypes.data
+
+
+def _compiled_pass(lib, arrays, given, heads: _Heads, tile: int | None, device) -> tuple[_PlanState, str] | None:
+    """The batch validated and packed by ``pw_plan_pack`` (one pass in compiled code), or None when the numpy
+    pass must run: an argument it does not take (a dtype other than int32/int64, strided, a size the numpy pass
+    refuses anyway) or any status but OK (the numpy pass then names the error, or rules on shared pages)."""
+    qo_indptr, kv_indptr, kv_indices, last_page_len = arrays
+    flags = [_NATIVE_DTYPES.get(a.dtype) for a in arrays]
+    if None in flags or not all(a.flags.c_contiguous for a in arrays):
+        return None
+    batch = len(last_page_len)
+    if len(qo_indptr) != batch + 1 or len(kv_indptr) != batch + 1:
+        return None
+    total_tokens, total_pages = int(qo_indptr[-1]), int(kv_indptr[-1])
+    group = heads.group
+    if not (0 <= total_tokens and total_tokens * group <= INT32_MAX and 0 <= total_pages <= len(kv_indices)):
+        return None
+    reason = "explicit"
+    if tile is None:
+        seq = np.diff(qo_indptr)  # [batch] (checked by the pass below; a bad one only costs the numpy pass)
+        if seq.min() < 0:
+            return None
+        tile, reason = tile_for_batch(seq, group, heads.num_kv_heads, device, total_tokens=total_tokens)
+    bound = 3 + 3 * batch + 2 + 2 * (total_tokens * group // tile + batch + 1) + total_pages  # num_tiles <= ...
+    out = np.empty(5 + batch + bound, dtype=np.int32)  # [5 + batch + bound]: scalars, start positions, block
+    address = out.ctypes.data
+    given = given or (None,) * 4
+    status = lib.pw_plan_pack(_address(qo_indptr, given[0]), flags[0], _address(kv_indptr, given[1]), flags[1],
+                              _address(kv_indices, given[2]), flags[2], len(kv_indices),
+                              _address(last_page_len, given[3]), flags[3], batch, heads.page_size, group, tile,
+                              address + 4 * (5 + batch), bound, address + 20, address)
+    if status != 0:
+        return None
+    high, max_last, total_tokens, total_pages, num_tiles = out[:5].tolist()
+    entries = _packed_offsets(batch, num_tiles)[6] + total_pages
+    state = _state_of_block(heads, tile, out[5 + batch: 5 + batch + entries], out[5: 5 + batch], batch=batch,
+                            total_tokens=total_tokens, total_pages=total_pages, num_tiles=num_tiles,
+                            max_page_index=high, max_last_page_len=max_last)
     return state, reason
 
 
@@ -456,7 +531,7 @@ def _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, 
 class _DeviceMirror:
     """A plan's capacity-sized buffer on one GPU, its pinned staging twins, and the event of each one's upload."""
 
-    __slots__ = ("buffer", "staging", "staged", "events", "turn")
+    __slots__ = ("buffer", "staging", "staged", "events", "turn", "offsets")
 
     STAGING_BUFFERS = 2
     """Pinned staging buffers used in turn: an update waits only for the upload two updates back, so the host
@@ -472,6 +547,7 @@ class _DeviceMirror:
         self.staged: list[np.ndarray | None] = [None] * self.STAGING_BUFFERS  # numpy views of the staging buffers
         self.events: list[torch.cuda.Event | None] = [None] * self.STAGING_BUFFERS
         self.turn = 0
+        self.offsets: np.ndarray | None = None  # [7] int64: the capacity layout's segment offsets (compiled path)
 
     def upload(self, state: _PlanState, cap: PlanCapacity) -> None:
         """Copy ``state`` asynchronously on the device's current stream: its live entries, in one copy (an
@@ -480,12 +556,20 @@ class _DeviceMirror:
         turn = self.turn
         self.turn = (turn + 1) % self.STAGING_BUFFERS
         staging, staged, event = self.staging[turn], self.staged[turn], self.events[turn]
-        if staging is None:
+        device = self.buffer.device
+        fresh = staging is None  # nothing uploaded from this staging buffer yet: nothing to wait for
+        if fresh:
             staging = self.staging[turn] = torch.empty(len(self.buffer), dtype=torch.int32,
                                                        pin_memory=True)  # [entries] host
             staged = self.staged[turn] = staging.numpy()
             event = self.events[turn] = torch.cuda.Event()
-        else:
+            with torch.cuda.device(device):
+                event.record()  # the CUDA event exists from now on (the compiled upload takes its handle)
+        lib = _loaded_kernels()
+        if lib is not None:
+            self._upload_compiled(lib, state, cap, staging, event, wait=not fresh)
+            return
+        if not fresh:
             event.synchronize()  # the upload that last used this staging buffer has run (normally long ago)
         entries = len(state.packed)
         if entries == len(self.buffer):  # every segment exactly full: the packed block is the buffer
@@ -499,12 +583,32 @@ class _DeviceMirror:
                 copies = ((0, o_pages + p),)
             else:
                 copies = ((0, head), (o_pages, o_pages + p))
-        device = self.buffer.device
         if device.index == _current_device():
             self._copy(staging, copies, event)
         else:
             with torch.cuda.device(device):
                 self._copy(staging, copies, event)
+
+    def _upload_compiled(self, lib, state: _PlanState, cap: PlanCapacity, staging: torch.Tensor, event, *,
+                         wait: bool) -> None:
+        """The same upload in one call (``pw_plan_upload``): wait for the staging buffer's last copy (``wait``),
+        write the live segments into it, enqueue the copies, record the event."""
+        if self.offsets is None:
+            self.offsets = np.array(cap.segment_offsets(), dtype=np.int64)
+        sizes = np.array(PlanCapacity(0, state.total_pages, state.batch_size, state.num_tiles).segment_sizes(),
+                         dtype=np.int64)  # [7] the live segments
+        index = self.buffer.device.index
+        if index == _current_device():
+            status = lib.pw_plan_upload(self.buffer.data_ptr(), staging.data_ptr(), state.packed.ctypes.data,
+                                        self.offsets.ctypes.data, sizes.ctypes.data, self.MAX_COPIED_GAP,
+                                        _current_raw_stream(index), event._as_parameter_, int(wait))
+        else:
+            with torch.cuda.device(index):
+                status = lib.pw_plan_upload(self.buffer.data_ptr(), staging.data_ptr(), state.packed.ctypes.data,
+                                            self.offsets.ctypes.data, sizes.ctypes.data, self.MAX_COPIED_GAP,
+                                            _current_raw_stream(index), event._as_parameter_, int(wait))
+        if status != 0:
+            raise RuntimeError(f"plan upload to {self.buffer.device} failed: CUDA error {status}")
 
     def _copy(self, staging: torch.Tensor, copies, event) -> None:
         for begin, end in copies:
@@ -513,6 +617,14 @@ class _DeviceMirror:
 
 
 _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
+                              lambda index: torch.cuda.current_stream(index).cuda_stream)
+
+
+def _loaded_kernels():
+    """The kernels' library when one is loaded in this process (it carries the compiled host pass), else None."""
+    ops = sys.modules.get("pagedwindow.cuda.ops")
+    return next(iter(ops._by_device.values())) if ops is not None and ops._by_device else None
 
 
 def _cuda_device(device) -> torch.device | None:
@@ -567,8 +679,8 @@ class PrefillPagedPlan:
         device = device if device is not None else _device_of(qo_indptr, kv_indptr, kv_indices, last_page_len)
         heads = _Heads.checked(num_qo_heads, num_kv_heads, head_dim, page_size)
         tile = None if cta_tile_q is None else _check_tile(cta_tile_q)
-        arrays = _csr_arrays(qo_indptr, kv_indptr, kv_indices, last_page_len)
-        state, reason = _state_from_csr(*arrays, heads, tile, device)
+        given = (qo_indptr, kv_indptr, kv_indices, last_page_len)
+        state, reason = _state_from_csr(*_csr_arrays(*given), heads, tile, device, given=given)
         return cls._exact(state, reason, device)
 
     @classmethod
@@ -613,8 +725,8 @@ class PrefillPagedPlan:
         commit. On error nothing changes. The layout uses the plan's fixed tile."""
         heads = _Heads.checked(num_qo_heads, num_kv_heads, head_dim, page_size)
         tile = self._update_tile(cta_tile_q)
-        arrays = _csr_arrays(qo_indptr, kv_indptr, kv_indices, last_page_len)
-        state, _ = _state_from_csr(*arrays, heads, tile, self._device)
+        given = (qo_indptr, kv_indptr, kv_indices, last_page_len)
+        state, _ = _state_from_csr(*_csr_arrays(*given), heads, tile, self._device, given=given)
         state.fits(self.capacity)
         self._commit(state)
         return self

@@ -38,7 +38,7 @@ PACKAGE_KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 """Where a (non-editable) install puts the sources: ``pagedwindow/kernels/``, package data of the wheel."""
 REPO_KERNELS_DIR = Path(__file__).resolve().parents[3] / "kernels"
 """The repository's ``kernels/``, the one copy of the sources (an editable install reads it directly)."""
-SOURCES = ("prefill_hd256.cu", "prefill_hd256_sm90.cu", "append_paged_kv.cu")
+SOURCES = ("prefill_hd256.cu", "prefill_hd256_sm90.cu", "append_paged_kv.cu", "plan_pack.cpp")
 BASE_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", "-Xptxas=-v,--warn-on-spills")
 NVCC_ENVIRONMENT = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN")
 """Environment variables nvcc itself reads; they change what it builds, so they are part of the cache key."""
@@ -102,7 +102,7 @@ def kernels_dir() -> Path:
 
 
 def source_paths() -> list[Path]:
-    """The ``.cu`` files compiled into the library."""
+    """The sources compiled into the library (``.cu`` kernels, the ``.cpp`` host pass)."""
     directory = kernels_dir()
     paths = [directory / name for name in SOURCES]
     missing = [str(p) for p in paths if not p.is_file()]
@@ -126,7 +126,7 @@ def _sha256(path: Path) -> str:
 def build_inputs(target: str, nvcc: str) -> dict:
     """Everything the build depends on (hashed into the key and recorded in the manifest)."""
     directory = source_paths()[0].parent
-    files = sorted([*directory.glob("*.cu"), *directory.glob("*.cuh")])  # every source and header
+    files = sorted([*directory.glob("*.cu"), *directory.glob("*.cuh"), *directory.glob("*.cpp")])  # every source
     return {"format": CACHE_FORMAT, "target": target, "nvcc": str(Path(nvcc).resolve()),
             "nvcc_version": nvcc_version(nvcc), "flags": nvcc_flags(),
             "environment": {name: os.environ.get(name) for name in NVCC_ENVIRONMENT},

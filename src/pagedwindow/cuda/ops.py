@@ -16,6 +16,7 @@ import threading
 
 import torch
 
+from . import host_pass
 from .build import load_verified, target_for_capability
 
 _lock = threading.Lock()
@@ -75,7 +76,7 @@ def load(path) -> ctypes.CDLL:
                  "pw_append_paged_kv_error_string"):
         getattr(lib, name).argtypes = [_i]
         getattr(lib, name).restype = ctypes.c_char_p
-    return lib
+    return host_pass.declare(lib)
 
 
 def library(device: torch.device) -> ctypes.CDLL:

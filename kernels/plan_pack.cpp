@@ -1,0 +1,166 @@
+// The plan's host pass in compiled code: validate FlashInfer-style CSR arrays and pack the plan block the kernels
+// read, in one pass over the page ids; and upload a packed plan into its device buffer in one call.
+//
+// pw_plan_pack is the fast path of pagedwindow.plan._state_from_csr and must agree with it exactly: it returns
+// PW_PACK_OK only where the vectorised check would accept the batch, and then writes the same block. On any
+// other status nothing it wrote is used: the caller runs the vectorised check, which names the offending entry
+// (or, for page ids shared between requests, decides whether the sharing is legal).
+//
+// Block layout (int32, every segment exactly full; pagedwindow.plan.PlanCapacity.segment_sizes):
+//   [0..3)  batch, total_tokens, num_tiles
+//   page_indptr [batch + 1], last_page_len [batch], qo_indptr [batch + 1],
+//   request_indices [num_tiles], qo_tile_indices [num_tiles], page_indices [total_pages]
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifndef PW_HOST_ONLY
+#include <cuda_runtime.h>
+#endif
+
+namespace {
+
+constexpr int64_t kInt32Max = 2147483647;
+constexpr int64_t kDenseTableMin = int64_t{1} << 20;  // as plan._check_shared_pages: a table below this size
+
+// One CSR array as the caller holds it: int32 or int64, contiguous.
+struct Ints {
+  const void* data;
+  int is64;
+  int64_t operator[](int64_t i) const {
+    return is64 ? static_cast<const int64_t*>(data)[i] : static_cast<const int32_t*>(data)[i];
+  }
+};
+
+// Copy page ids into the block as int32; returns the largest, or -1 when one is outside 0..int32.
+template <typename T>
+int64_t copy_page_ids(const T* ids, int64_t n, int32_t* out) {
+  int64_t low = 0, high = -1;
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t id = ids[j];
+    low = id < low ? id : low;
+    high = id > high ? id : high;
+    out[j] = static_cast<int32_t>(id);
+  }
+  return (low < 0 || high > kInt32Max) ? -1 : high;
+}
+
+}  // namespace
+
+enum PwPackStatus {
+  PW_PACK_OK = 0,
+  PW_PACK_INVALID = 1,    // a rule is broken: the vectorised check names it
+  PW_PACK_SHARED = 2,     // a page id appears twice: the vectorised check decides
+  PW_PACK_SPARSE = 3,     // page ids too sparse for a table: the vectorised check sorts
+  PW_PACK_TOO_SMALL = 4,  // the block the caller gave is too small (a caller bug)
+};
+
+extern "C" {
+
+// Validate and pack. scalars [5] receives max_page_index, max_last_page_len, total_tokens, total_pages,
+// num_tiles (each within int32 once validated); start_positions [batch] receives kv_len - seq_len per request.
+int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int kv_is64, const void* kv_indices,
+                 int indices_is64, int64_t num_indices, const void* last_page_len, int last_is64, int64_t batch,
+                 int64_t page_size, int64_t group, int64_t tile, int32_t* packed, int64_t packed_capacity,
+                 int32_t* start_positions, int32_t* scalars) {
+  const Ints qo{qo_indptr, qo_is64}, kv{kv_indptr, kv_is64}, last{last_page_len, last_is64};
+  if (batch < 1 || batch > kInt32Max || page_size < 1 || group < 1 || tile < 1) return PW_PACK_INVALID;
+  // Indptrs: start at 0, never above int32, seq_len >= 0 and at least one page per request. Last page
+  // lengths in 1..page_size, kv_len within int32, seq_len <= kv_len. Tiles per request: ceil(seq * group / tile).
+  if (qo[0] != 0 || kv[0] != 0) return PW_PACK_INVALID;
+  int64_t num_tiles = 0, max_last = 0;
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t q1 = qo[i + 1], k1 = kv[i + 1], l = last[i];
+    if (q1 < qo[i] || q1 > kInt32Max || k1 < kv[i] + 1 || k1 > kInt32Max || l < 1 || l > page_size)
+      return PW_PACK_INVALID;
+    const int64_t seq = q1 - qo[i];
+    const int64_t kv_len = (k1 - kv[i] - 1) * page_size + l;
+    if (kv_len > kInt32Max || seq > kv_len) return PW_PACK_INVALID;
+    num_tiles += (seq * group + tile - 1) / tile;
+    if (l > max_last) max_last = l;
+  }
+  const int64_t total_tokens = qo[batch], total_pages = kv[batch];
+  if (total_pages > num_indices || total_tokens * group > kInt32Max || num_tiles > kInt32Max)
+    return PW_PACK_INVALID;
+  const int64_t o_page_indptr = 3, o_last = o_page_indptr + batch + 1, o_qo = o_last + batch,
+                o_request = o_qo + batch + 1, o_qo_tile = o_request + num_tiles, o_pages = o_qo_tile + num_tiles;
+  if (o_pages + total_pages > packed_capacity) return PW_PACK_TOO_SMALL;
+
+  // Page ids: within 0..int32, each used once (a table of the ids seen), copied into the block.
+  int32_t* pages = packed + o_pages;
+  const int64_t high = indices_is64 ? copy_page_ids(static_cast<const int64_t*>(kv_indices), total_pages, pages)
+                                    : copy_page_ids(static_cast<const int32_t*>(kv_indices), total_pages, pages);
+  if (high < 0) return PW_PACK_INVALID;
+  if (total_pages >= 2) {
+    const int64_t table_limit = 4 * total_pages > kDenseTableMin ? 4 * total_pages : kDenseTableMin;
+    if (high >= table_limit) return PW_PACK_SPARSE;
+    static thread_local std::vector<uint8_t> seen_ids;
+    if (static_cast<int64_t>(seen_ids.size()) < high + 1) seen_ids.resize(high + 1);
+    uint8_t* seen = seen_ids.data();  // one thread-local lookup, not one per id
+    std::memset(seen, 0, high + 1);
+    uint8_t repeated = 0;
+    for (int64_t j = 0; j < total_pages; ++j) {
+      repeated |= seen[pages[j]];
+      seen[pages[j]] = 1;
+    }
+    if (repeated) return PW_PACK_SHARED;
+  }
+
+  packed[0] = static_cast<int32_t>(batch);
+  packed[1] = static_cast<int32_t>(total_tokens);
+  packed[2] = static_cast<int32_t>(num_tiles);
+  int64_t t = 0;
+  for (int64_t i = 0; i <= batch; ++i) {
+    packed[o_page_indptr + i] = static_cast<int32_t>(kv[i]);
+    packed[o_qo + i] = static_cast<int32_t>(qo[i]);
+    if (i == batch) break;
+    const int64_t l = last[i], seq = qo[i + 1] - qo[i];
+    packed[o_last + i] = static_cast<int32_t>(l);
+    start_positions[i] = static_cast<int32_t>((kv[i + 1] - kv[i] - 1) * page_size + l - seq);
+    const int64_t n = (seq * group + tile - 1) / tile;
+    for (int64_t k = 0; k < n; ++k, ++t) {
+      packed[o_request + t] = static_cast<int32_t>(i);
+      packed[o_qo_tile + t] = static_cast<int32_t>(k);
+    }
+  }
+  scalars[0] = static_cast<int32_t>(high);
+  scalars[1] = static_cast<int32_t>(max_last);
+  scalars[2] = static_cast<int32_t>(total_tokens);
+  scalars[3] = static_cast<int32_t>(total_pages);
+  scalars[4] = static_cast<int32_t>(num_tiles);
+  return PW_PACK_OK;
+}
+
+#ifndef PW_HOST_ONLY
+// Upload a packed plan: wait for the event of this staging buffer's previous upload, copy the live segments
+// into the pinned staging buffer at their capacity offsets, enqueue one or two host-to-device copies of the live
+// range on the stream, record the event. offsets [7]: the capacity layout's segment offsets; sizes [7]: the
+// packed block's segment sizes. max_gap: unused tile entries copied along rather than split into two copies.
+// Returns a cudaError_t.
+int pw_plan_upload(int32_t* device_buffer, int32_t* staging, const int32_t* packed, const int64_t* offsets,
+                   const int64_t* sizes, int64_t max_gap, cudaStream_t stream, cudaEvent_t event, int event_used) {
+  if (event_used) {
+    const cudaError_t waited = cudaEventSynchronize(event);
+    if (waited != cudaSuccess) return waited;
+  }
+  int64_t src = 0;
+  for (int s = 0; s < 7; ++s) {
+    std::memcpy(staging + offsets[s], packed + src, sizes[s] * sizeof(int32_t));
+    src += sizes[s];
+  }
+  const int64_t head_end = offsets[5] + sizes[5], pages_end = offsets[6] + sizes[6];
+  cudaError_t err;
+  if (offsets[6] - head_end <= max_gap) {
+    err = cudaMemcpyAsync(device_buffer, staging, pages_end * sizeof(int32_t), cudaMemcpyHostToDevice, stream);
+  } else {
+    err = cudaMemcpyAsync(device_buffer, staging, head_end * sizeof(int32_t), cudaMemcpyHostToDevice, stream);
+    if (err == cudaSuccess)
+      err = cudaMemcpyAsync(device_buffer + offsets[6], staging + offsets[6], sizes[6] * sizeof(int32_t),
+                            cudaMemcpyHostToDevice, stream);
+  }
+  if (err != cudaSuccess) return err;
+  return cudaEventRecord(event, stream);
+}
+#endif
+
+}  // extern "C"

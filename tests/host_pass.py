@@ -1,0 +1,65 @@
+"""The compiled host pass (kernels/plan_pack.cpp) built with the host's C++ compiler, for the plan tests: the
+tests that cover the numpy pass run again with the compiled pass installed, so both accept the same batches,
+produce the same plans and refuse bad input with the same error."""
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from pagedwindow import plan as plan_module
+from pagedwindow.cuda import host_pass
+
+SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "plan_pack.cpp"
+PASSES = ("numpy pass", "compiled pass")
+
+
+def build(directory: Path) -> ctypes.CDLL:
+    """``plan_pack.cpp`` without its CUDA upload, as a shared library in ``directory``."""
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        pytest.fail("no C++ compiler (c++ / g++) on PATH: the compiled host pass cannot be tested")
+    out = directory / "libpw_plan_pack.so"
+    subprocess.run([compiler, "-O3", "-std=c++17", "-Wall", "-Werror", "-shared", "-fPIC", "-DPW_HOST_ONLY",
+                    str(SOURCE), "-o", str(out)], check=True, capture_output=True, text=True)
+    return host_pass.declare(ctypes.CDLL(str(out)))
+
+
+_built: dict[str, ctypes.CDLL] = {}
+
+
+def library(tmp_path_factory) -> ctypes.CDLL:
+    if "lib" not in _built:
+        _built["lib"] = build(tmp_path_factory.mktemp("plan_pack"))
+    return _built["lib"]
+
+
+def install(request, tmp_path_factory):
+    """For a module-scoped fixture parametrised by :data:`PASSES`: route every plan built while it is active
+    through the compiled pass (``compiled pass``) or leave the numpy pass (``numpy pass``)."""
+    if request.param == "numpy pass":
+        yield request.param
+        return
+    counting = Counting(library(tmp_path_factory))
+    saved = plan_module._host_pass_library
+    plan_module._host_pass_library = lambda device: counting
+    try:
+        yield request.param
+    finally:
+        plan_module._host_pass_library = saved
+    assert counting.statuses.get(host_pass.PACK_OK, 0) > 0, \
+        f"the compiled pass never packed a plan in this module: statuses {counting.statuses}"
+
+
+class Counting:
+    """The library, counting ``pw_plan_pack``'s statuses (so a module's compiled run shows it ran)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self.lib, self.statuses = lib, {}
+
+    def pw_plan_pack(self, *args):
+        status = self.lib.pw_plan_pack(*args)
+        self.statuses[status] = self.statuses.get(status, 0) + 1
+        return status

@@ -1,0 +1,149 @@
+"""The compiled host pass (``kernels/plan_pack.cpp``) against the numpy pass, directly: for random CSR batches,
+valid and broken, ``pw_plan_pack`` accepts exactly the batches the numpy pass accepts (except page ids used
+twice or too sparse for a table, which it hands back), and then packs the identical plan.
+
+The plan modules (test_plan.py, test_plan_csr.py) also run whole with the compiled pass installed."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pagedwindow as pw
+from pagedwindow import plan as plan_module
+from pagedwindow.cuda import host_pass as native
+from pagedwindow.errors import INT32_MAX
+
+from . import host_pass
+
+FIELDS = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "cta_tile_q", "max_page_index",
+          "max_last_page_len", "batch_size", "total_tokens", "total_pages", "num_tiles")
+ARRAYS = ("packed", "page_indices", "page_indptr", "last_page_len", "qo_indptr", "request_indices",
+          "qo_tile_indices", "start_positions")
+
+
+@pytest.fixture(scope="module")
+def lib(tmp_path_factory):
+    return host_pass.library(tmp_path_factory)
+
+
+def both_passes(lib, csr, heads, tile, device=None):
+    """(numpy result, compiled result, pw_plan_pack status): each result a (state, reason) or the error text."""
+    arrays = plan_module._csr_arrays(*csr)
+    h = plan_module._Heads.checked(*heads)
+    statuses = []
+
+    class Recording:
+        def pw_plan_pack(self, *args):
+            statuses.append(lib.pw_plan_pack(*args))
+            return statuses[-1]
+
+    def run(library):
+        saved = plan_module._host_pass_library
+        plan_module._host_pass_library = lambda device: library
+        try:
+            return plan_module._state_from_csr(*arrays, h, tile, device)
+        except pw.PagedWindowError as exc:
+            return str(exc)
+        finally:
+            plan_module._host_pass_library = saved
+
+    return run(None), run(Recording()), (statuses[0] if statuses else None)
+
+
+def assert_same_state(a, b):
+    (sa, ra), (sb, rb) = a, b
+    assert ra == rb
+    for name in FIELDS:
+        assert getattr(sa, name) == getattr(sb, name), name
+        assert type(getattr(sb, name)) is int, name  # plain ints: torch.compile sees constants
+    for name in ARRAYS:
+        x, y = getattr(sa, name), getattr(sb, name)
+        assert x.dtype == y.dtype == np.int32 and np.array_equal(x, y), name
+        assert not y.flags.writeable, name
+
+
+@st.composite
+def batches(draw):
+    """CSR batches: valid ones of every shape class, then (often) one value broken."""
+    page_size = draw(st.sampled_from([1, 4, 16]))
+    n = draw(st.integers(1, 8))
+    dtype = draw(st.sampled_from([np.int32, np.int64]))
+    seqs, lasts, counts = [], [], []
+    for _ in range(n):
+        pages = draw(st.integers(1, 6))
+        last = draw(st.integers(1, page_size))
+        kv_len = (pages - 1) * page_size + last
+        seqs.append(draw(st.one_of(st.just(1), st.just(0), st.just(kv_len), st.integers(0, kv_len))))
+        lasts.append(last)
+        counts.append(pages)
+    qo = np.concatenate(([0], np.cumsum(seqs))).astype(np.int64)
+    kv = np.concatenate(([0], np.cumsum(counts))).astype(np.int64)
+    total = int(kv[-1])
+    ids = np.array(draw(st.permutations(range(total + draw(st.integers(0, 5)))))[:total], dtype=np.int64)
+    if draw(st.booleans()):
+        ids = ids + draw(st.sampled_from([0, 2**20, 2**30, INT32_MAX - 200]))  # dense and sparse ids
+    tail = np.array(draw(st.lists(st.integers(-3, INT32_MAX), max_size=2)), dtype=np.int64)
+    ids = np.concatenate((ids, tail))
+    arrays = {"qo": qo, "kv": kv, "ids": ids, "last": np.array(lasts, dtype=np.int64)}
+    if draw(st.integers(0, 2)) == 0:  # break one value
+        name = draw(st.sampled_from(sorted(arrays)))
+        a = arrays[name]
+        i = draw(st.integers(0, len(a) - 1))
+        a[i] = draw(st.sampled_from([-1, 0, 1, a[i] + 1, a[i] - 1, page_size + 1, INT32_MAX, INT32_MAX + 1,
+                                     int(ids[0]) if len(ids) else 0]))
+    if dtype is np.int32 and all(np.all((a >= -(2**31)) & (a <= INT32_MAX)) for a in arrays.values()):
+        arrays = {k: a.astype(np.int32) for k, a in arrays.items()}
+    group = draw(st.sampled_from([1, 2, 8]))
+    tile = draw(st.sampled_from([None, 16, 64, 128]))
+    return (arrays["qo"], arrays["kv"], arrays["ids"], arrays["last"]), (2 * group, 2, 256, page_size), tile
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batches())
+def test_the_compiled_pass_accepts_and_packs_exactly_what_the_numpy_pass_does(lib, batch):
+    csr, heads, tile = batch
+    numpy_result, compiled_result, status = both_passes(lib, csr, heads, tile, device="cpu")
+    if isinstance(numpy_result, str):  # refused: the compiled pass never accepts it, the error is the same
+        assert status != native.PACK_OK and compiled_result == numpy_result
+        return
+    assert_same_state(numpy_result, compiled_result)
+    pages = csr[2][: int(csr[1][-1])]
+    unique = len(np.unique(pages)) == len(pages)
+    dense = len(pages) < 2 or int(pages.max()) < max(4 * len(pages), 1 << 20)
+    assert (status == native.PACK_OK) == (unique and dense), status
+
+
+@pytest.mark.parametrize("shape", ["decode", "prefill", "ragged", "chunk", "empty requests", "all empty"])
+def test_every_shape_class_is_packed_by_the_compiled_pass(lib, shape):
+    page_size, rng = 16, np.random.default_rng(0)
+    seqs, kv_lens = {"decode": ([1] * 64, [4096] * 64), "prefill": ([2048] * 4, [2048] * 4),
+                     "ragged": ([700, 1, 33, 0, 129], [700, 5000, 40, 3, 129]),
+                     "chunk": ([512], [30000]), "empty requests": ([0, 5, 0], [17, 5, 1]),
+                     "all empty": ([0, 0], [16, 3])}[shape]
+    counts = [-(-k // page_size) for k in kv_lens]
+    csr = (np.concatenate(([0], np.cumsum(seqs))), np.concatenate(([0], np.cumsum(counts))),
+           rng.permutation(sum(counts) + 10)[: sum(counts)], np.array([k - (c - 1) * page_size
+                                                                      for k, c in zip(kv_lens, counts)]))
+    for tile in (None, 16, 64, 128):
+        numpy_result, compiled_result, status = both_passes(lib, csr, (16, 8, 256, page_size), tile)
+        assert status == native.PACK_OK
+        assert_same_state(numpy_result, compiled_result)
+
+
+def test_a_block_too_small_is_refused_not_overrun(lib):
+    qo, kv, ids, last = (np.array(a, dtype=np.int64) for a in ([0, 4, 7], [0, 2, 3], [3, 1, 0], [2, 3]))
+    block = np.full(16, -7, dtype=np.int32)  # the plan needs 3 + 3 + 2 + 3 + 2 + 2 + 3 = 18 entries
+    start, scalars = np.zeros(2, dtype=np.int32), np.zeros(5, dtype=np.int32)
+    status = lib.pw_plan_pack(qo.ctypes.data, 1, kv.ctypes.data, 1, ids.ctypes.data, 1, 3, last.ctypes.data, 1,
+                              2, 4, 2, 16, block.ctypes.data, 16, start.ctypes.data, scalars.ctypes.data)
+    assert status == native.PACK_TOO_SMALL and (block == -7).all()
+
+
+def test_the_compiled_pass_runs_where_a_kernels_library_is_loaded(monkeypatch):
+    monkeypatch.setattr(plan_module, "_loaded_kernels", lambda: None)
+    assert plan_module._host_pass_library(None) is None  # a CPU host without kernels: the numpy pass
+    assert plan_module._host_pass_library("cpu") is None
+    loaded = object()
+    monkeypatch.setattr(plan_module, "_loaded_kernels", lambda: loaded)
+    assert plan_module._host_pass_library(None) is loaded and plan_module._host_pass_library("cpu") is loaded

@@ -46,7 +46,7 @@ def profile(name: str, device: torch.device) -> dict:
                                             max_total_pages=state.total_pages, max_batch=state.batch_size,
                                             max_tiles=max(state.num_tiles, 1), device=device)
     plan.update_csr(*given, **kwargs)
-    mirror = plan._mirrors[device]
+    mirror = plan._mirrors[torch.device("cuda", torch.cuda.current_device())]
     return {"workload": name,
             "from_csr": host_us(lambda: pw.PrefillPagedPlan.from_csr(*given, **kwargs, device=device)),
             "from_csr_cpu": host_us(lambda: pw.PrefillPagedPlan.from_csr(*given, **kwargs, device="cpu")),

@@ -132,24 +132,21 @@ int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int 
 }
 
 #ifndef PW_HOST_ONLY
-// Upload a packed plan: wait for the event of this staging buffer's previous upload, copy the live segments
-// into the pinned staging buffer at their capacity offsets, enqueue one or two host-to-device copies of the live
-// range on the stream, record the event. offsets [7]: the capacity layout's segment offsets; sizes [7]: the
-// packed block's segment sizes. max_gap: unused tile entries copied along rather than split into two copies.
-// Returns a cudaError_t.
+// Upload a packed plan: wait for the previous copy from this staging buffer (its event, *event; a null event is
+// created instead, as nothing used the buffer yet), copy the live segments into the pinned staging buffer at
+// their capacity offsets, enqueue one or two host-to-device copies of the live range on the stream, record the
+// event. offsets [7]: the capacity layout's segment offsets; sizes [7]: the packed block's segment sizes.
+// max_gap: unused tile entries copied along rather than split into two copies. Returns a cudaError_t.
 int pw_plan_upload(int32_t* device_buffer, int32_t* staging, const int32_t* packed, const int64_t* offsets,
-                   const int64_t* sizes, int64_t max_gap, cudaStream_t stream, cudaEvent_t event, int event_used) {
-  if (event_used) {
-    const cudaError_t waited = cudaEventSynchronize(event);
-    if (waited != cudaSuccess) return waited;
-  }
+                   const int64_t* sizes, int64_t max_gap, cudaStream_t stream, cudaEvent_t* event) {
+  cudaError_t err = *event ? cudaEventSynchronize(*event) : cudaEventCreateWithFlags(event, cudaEventDisableTiming);
+  if (err != cudaSuccess) return err;
   int64_t src = 0;
   for (int s = 0; s < 7; ++s) {
     std::memcpy(staging + offsets[s], packed + src, sizes[s] * sizeof(int32_t));
     src += sizes[s];
   }
   const int64_t head_end = offsets[5] + sizes[5], pages_end = offsets[6] + sizes[6];
-  cudaError_t err;
   if (offsets[6] - head_end <= max_gap) {
     err = cudaMemcpyAsync(device_buffer, staging, pages_end * sizeof(int32_t), cudaMemcpyHostToDevice, stream);
   } else {
@@ -159,7 +156,15 @@ int pw_plan_upload(int32_t* device_buffer, int32_t* staging, const int32_t* pack
                             cudaMemcpyHostToDevice, stream);
   }
   if (err != cudaSuccess) return err;
-  return cudaEventRecord(event, stream);
+  return cudaEventRecord(*event, stream);
+}
+
+// Destroy the events pw_plan_upload created (null entries are skipped; each is reset to null).
+void pw_plan_events_destroy(cudaEvent_t* events, int n) {
+  for (int i = 0; i < n; ++i) {
+    if (events[i]) cudaEventDestroy(events[i]);
+    events[i] = nullptr;
+  }
 }
 #endif
 

@@ -322,3 +322,20 @@ def test_cuda_backend_refuses_misaligned_tensors():
         pw.batch_prefill_paged_window(q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0,
                                       window_left=-1, out=out, backend="cuda")
     assert (out == 3.0).all()
+
+
+@pytest.mark.parametrize("dtypes", [("int32",) * 4, ("int64",) * 4, ("int32", "int64", "int32", "int64")],
+                         ids=["int32", "int64", "mixed"])
+def test_csr_on_the_gpu_plans_like_csr_on_the_host(dtypes):
+    """CUDA CSR tensors (read to the host in one copy when they share a dtype) give the plan host tensors give,
+    and a bad value in them is refused with the same error."""
+    qo, kv, ids, last = [0, 4, 7], [0, 2, 3], [3, 1, 0], [2, 3]
+    kwargs = dict(num_qo_heads=4, num_kv_heads=2, head_dim=D, page_size=4)
+    on_gpu = [torch.tensor(v, dtype=getattr(torch, d), device="cuda") for v, d in zip((qo, kv, ids, last), dtypes)]
+    host = pw.PrefillPagedPlan.from_csr(qo, kv, ids, last, **kwargs, device="cuda")
+    gpu = pw.PrefillPagedPlan.from_csr(*on_gpu, **kwargs)
+    assert gpu.device == torch.device("cuda", torch.cuda.current_device()) and gpu.to_dict() == host.to_dict()
+    assert torch.equal(gpu.device_buffer("cuda"), host.device_buffer("cuda"))
+    on_gpu[2][1] = 3  # page 3 twice in request 0
+    with pytest.raises(pw.PagedWindowError, match="page id 3 appears more than once in request 0"):
+        pw.PrefillPagedPlan.from_csr(*on_gpu, **kwargs)

@@ -17,9 +17,16 @@ Rules, each checked with vectorised array operations (no Python loop over pages 
   with it: a CUDA graph captured a launch with that tile. An explicit different tile at update is refused;
 - ``update`` / ``update_csr`` compute and check everything before they change anything.
 
+Two implementations of those checks accept exactly the same batches and build the same state: one compiled pass
+(``pw_plan_pack`` in ``kernels/plan_pack.cpp``, from the kernels' library: it runs wherever that library is
+loaded, or when the plan is for a CUDA device), and the vectorised numpy pass, which runs everywhere else and for
+every batch the compiled pass hands back (a broken rule, which it names; page ids shared between requests, on
+which it rules; ids too sparse for a table).
+
 Device mirrors: a plan used on a GPU keeps one capacity-sized int32 buffer there whose address never changes
 (CUDA-graph replay reads it in place). Each update writes the live parts into a pinned staging buffer and
-copies them asynchronously on the current stream, normally in one copy (the batch-sized header, the tile list
+copies them asynchronously on the current stream (one call, ``pw_plan_upload``, where the kernels' library is
+loaded), normally in one copy (the batch-sized header, the tile list
 and the live page ids): no host synchronisation, nothing of the page capacity beyond the live pages. Updates and
 launches of one plan belong on one stream (the copies are ordered on it). Segment order in the buffer: ``scalars``
 (``batch_size, total_tokens, num_tiles``) first, then ``page_indptr``, ``last_page_len``, ``qo_indptr``,
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import sys
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -531,7 +539,7 @@ def _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, 
 class _DeviceMirror:
     """A plan's capacity-sized buffer on one GPU, its pinned staging twins, and the event of each one's upload."""
 
-    __slots__ = ("buffer", "staging", "staged", "events", "turn", "offsets")
+    __slots__ = ("buffer", "staging", "staged", "events", "turn", "lib", "offsets", "event_handles", "__weakref__")
 
     STAGING_BUFFERS = 2
     """Pinned staging buffers used in turn: an update waits only for the upload two updates back, so the host
@@ -540,37 +548,46 @@ class _DeviceMirror:
     """Unused tile entries (at most ``max_tiles - num_tiles``) copied along with the live ones so that one copy
     covers the whole live range; a larger gap costs a second copy instead."""
 
-    def __init__(self, entries: int, device: torch.device):
+    def __init__(self, capacity: PlanCapacity, device: torch.device):
         # Never reallocated. Only live entries are ever read by the kernels, so neither buffer is zeroed.
-        self.buffer = torch.empty(entries, dtype=torch.int32, device=device)  # [entries]
+        self.buffer = torch.empty(capacity.buffer_entries, dtype=torch.int32, device=device)  # [entries]
         self.staging: list[torch.Tensor | None] = [None] * self.STAGING_BUFFERS  # pinned, made on first use
-        self.staged: list[np.ndarray | None] = [None] * self.STAGING_BUFFERS  # numpy views of the staging buffers
-        self.events: list[torch.cuda.Event | None] = [None] * self.STAGING_BUFFERS
         self.turn = 0
-        self.offsets: np.ndarray | None = None  # [7] int64: the capacity layout's segment offsets (compiled path)
+        # The upload path, fixed for the mirror's life: the compiled upload (``pw_plan_upload``, with CUDA events
+        # it creates and a finalizer destroys) where the kernels' library is loaded, else torch copies and events.
+        self.lib = _loaded_kernels()
+        if self.lib is not None:
+            self.offsets = np.array(capacity.segment_offsets(), dtype=np.int64)  # [7]
+            self.event_handles = np.zeros(self.STAGING_BUFFERS, dtype=np.uint64)  # cudaEvent_t, 0: none yet
+            weakref.finalize(self, _destroy_events, self.lib, self.event_handles).atexit = False  # exit frees all
+        else:
+            self.staged: list[np.ndarray | None] = [None] * self.STAGING_BUFFERS  # numpy views of the staging
+            self.events: list[torch.cuda.Event | None] = [None] * self.STAGING_BUFFERS
 
     def upload(self, state: _PlanState, cap: PlanCapacity) -> None:
         """Copy ``state`` asynchronously on the device's current stream: its live entries, in one copy (an
         exact-size plan's whole buffer; else the header, the tile list and the live page ids, with the unused
-        tile entries between them when there are at most ``MAX_COPIED_GAP``), or two when the gap is larger."""
+        tile entries between them when there are at most ``MAX_COPIED_GAP``), or two when the gap is larger.
+        Waits only for the copy that last used the staging buffer it takes (two uploads back)."""
         turn = self.turn
         self.turn = (turn + 1) % self.STAGING_BUFFERS
-        staging, staged, event = self.staging[turn], self.staged[turn], self.events[turn]
-        device = self.buffer.device
-        fresh = staging is None  # nothing uploaded from this staging buffer yet: nothing to wait for
-        if fresh:
+        staging = self.staging[turn]
+        if staging is None:
             staging = self.staging[turn] = torch.empty(len(self.buffer), dtype=torch.int32,
                                                        pin_memory=True)  # [entries] host
+        index = self.buffer.device.index
+        if self.lib is not None:
+            if index == _current_device():
+                self._upload_compiled(turn, staging, state, cap, index)
+            else:
+                with torch.cuda.device(index):
+                    self._upload_compiled(turn, staging, state, cap, index)
+            return
+        staged, event = self.staged[turn], self.events[turn]
+        if staged is None:
             staged = self.staged[turn] = staging.numpy()
             event = self.events[turn] = torch.cuda.Event()
-            with torch.cuda.device(device):
-                event.record()  # the CUDA event exists from now on (the compiled upload takes its handle)
-        lib = _loaded_kernels()
-        if lib is not None:
-            self._upload_compiled(lib, state, cap, staging, event, wait=not fresh)
-            return
-        if not fresh:
-            event.synchronize()  # the upload that last used this staging buffer has run (normally long ago)
+        event.synchronize()  # the upload that last used this staging buffer has run (never recorded: no wait)
         entries = len(state.packed)
         if entries == len(self.buffer):  # every segment exactly full: the packed block is the buffer
             staged[:entries] = state.packed
@@ -583,30 +600,21 @@ class _DeviceMirror:
                 copies = ((0, o_pages + p),)
             else:
                 copies = ((0, head), (o_pages, o_pages + p))
-        if device.index == _current_device():
+        if index == _current_device():
             self._copy(staging, copies, event)
         else:
-            with torch.cuda.device(device):
+            with torch.cuda.device(index):
                 self._copy(staging, copies, event)
 
-    def _upload_compiled(self, lib, state: _PlanState, cap: PlanCapacity, staging: torch.Tensor, event, *,
-                         wait: bool) -> None:
-        """The same upload in one call (``pw_plan_upload``): wait for the staging buffer's last copy (``wait``),
-        write the live segments into it, enqueue the copies, record the event."""
-        if self.offsets is None:
-            self.offsets = np.array(cap.segment_offsets(), dtype=np.int64)
+    def _upload_compiled(self, turn: int, staging: torch.Tensor, state: _PlanState, cap: PlanCapacity,
+                         index: int) -> None:
+        """The same upload in one call (``pw_plan_upload``, device ``index`` current): wait for the staging
+        buffer's last copy, write the live segments into it, enqueue the copies, record the turn's event."""
         sizes = np.array(PlanCapacity(0, state.total_pages, state.batch_size, state.num_tiles).segment_sizes(),
                          dtype=np.int64)  # [7] the live segments
-        index = self.buffer.device.index
-        if index == _current_device():
-            status = lib.pw_plan_upload(self.buffer.data_ptr(), staging.data_ptr(), state.packed.ctypes.data,
-                                        self.offsets.ctypes.data, sizes.ctypes.data, self.MAX_COPIED_GAP,
-                                        _current_raw_stream(index), event._as_parameter_, int(wait))
-        else:
-            with torch.cuda.device(index):
-                status = lib.pw_plan_upload(self.buffer.data_ptr(), staging.data_ptr(), state.packed.ctypes.data,
-                                            self.offsets.ctypes.data, sizes.ctypes.data, self.MAX_COPIED_GAP,
-                                            _current_raw_stream(index), event._as_parameter_, int(wait))
+        status = self.lib.pw_plan_upload(self.buffer.data_ptr(), staging.data_ptr(), state.packed.ctypes.data,
+                                         self.offsets.ctypes.data, sizes.ctypes.data, self.MAX_COPIED_GAP,
+                                         _current_raw_stream(index), self.event_handles.ctypes.data + 8 * turn)
         if status != 0:
             raise RuntimeError(f"plan upload to {self.buffer.device} failed: CUDA error {status}")
 
@@ -619,6 +627,11 @@ class _DeviceMirror:
 _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
                               lambda index: torch.cuda.current_stream(index).cuda_stream)
+
+
+def _destroy_events(lib, handles: np.ndarray) -> None:
+    """A mirror's finalizer: destroy the CUDA events its compiled uploads created."""
+    lib.pw_plan_events_destroy(handles.ctypes.data, len(handles))
 
 
 def _loaded_kernels():
@@ -765,7 +778,7 @@ class PrefillPagedPlan:
     def _mirror(self, device: torch.device) -> _DeviceMirror:
         mirror = self._mirrors.get(device)
         if mirror is None:
-            mirror = _DeviceMirror(self.capacity.buffer_entries, device)
+            mirror = _DeviceMirror(self.capacity, device)
             if self._state is not None:
                 mirror.upload(self._state, self.capacity)
             self._mirrors[device] = mirror
@@ -985,6 +998,29 @@ class PrefillPagedPlan:
 
 
 def _csr_arrays(qo_indptr, kv_indptr, kv_indices, last_page_len):
+    given = (qo_indptr, kv_indptr, kv_indices, last_page_len)
+    host = _read_cuda_csr(given)
+    if host is not None:
+        return host
     return (int_array("qo_indptr", qo_indptr), int_array("kv_indptr", kv_indptr),
             int_array("kv_indices", kv_indices), int_array("last_page_len", last_page_len))
+
+
+def _read_cuda_csr(given) -> tuple[np.ndarray, ...] | None:
+    """Four 1-D CUDA integer tensors of one dtype on one device, read to the host in one copy (one
+    synchronisation instead of four) as views of one array; None for anything else (read one by one, with
+    every check of ``int_array``)."""
+    first = given[0]
+    if not (isinstance(first, torch.Tensor) and first.device.type == "cuda" and first.dtype in _CUDA_CSR_DTYPES):
+        return None
+    for t in given:
+        if not (isinstance(t, torch.Tensor) and t.device == first.device and t.dtype == first.dtype
+                and t.dim() == 1):
+            return None
+    block = torch.cat([t.detach() for t in given]).cpu().numpy()  # [sum of lengths]
+    ends = np.cumsum([len(t) for t in given])
+    return tuple(np.split(block, ends[:-1]))
+
+
+_CUDA_CSR_DTYPES = (torch.int32, torch.int64)
 

@@ -28,8 +28,10 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pw_plan_pack.argtypes = [_p, _i, _p, _i, _p, _i, _ll, _p, _i, _ll, _ll, _ll, _ll, _p, _ll, _p, _p]
     lib.pw_plan_pack.restype = _i
     if hasattr(lib, "pw_plan_upload"):
-        lib.pw_plan_upload.argtypes = [_p, _p, _p, _p, _p, _ll, _p, _p, _i]
+        lib.pw_plan_upload.argtypes = [_p, _p, _p, _p, _p, _ll, _p, _p]
         lib.pw_plan_upload.restype = _i
+        lib.pw_plan_events_destroy.argtypes = [_p, _i]
+        lib.pw_plan_events_destroy.restype = None
     return lib
 
 

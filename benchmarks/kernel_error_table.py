@@ -1,6 +1,6 @@
 """Worst kernel error per case family against the tolerance rule (GPU): the table the GPU suite's asserts hide.
 
-Rule (DESIGN §8): max |kernel - fp64| <= 2 * max |plain bf16 torch - fp64| + 1e-3.
+Rule (docs/design.md §8): max |kernel - fp64| <= 2 * max |plain bf16 torch - fp64| + 1e-3.
 Run on a GPU from the repository root: ``PYTHONPATH=src python3 benchmarks/kernel_error_table.py``.
 """
 

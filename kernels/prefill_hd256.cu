@@ -1,6 +1,6 @@
 // pagedwindow: windowed paged prefill attention, head_dim 256, bf16 in/out.
 //
-// Semantics (see shared DESIGN.md section 2):
+// Semantics (docs/design.md §2):
 //   query row j of request r sits at KV position q_pos = kv_len_r - seq_r + j (bottom-right causal);
 //   key k (0 <= k < kv_len_r) is visible iff k <= q_pos and (window_left < 0 or q_pos - k <= window_left).
 //   logits = sm_scale * q.k in fp32; softmax in fp32 (exp2 with log2(e) folded into the scale);

@@ -6,7 +6,7 @@ into its slots; the new rows' K/V are appended with ``pagedwindow.append_paged_k
 ("append then attend"). q and k are drawn with standard deviation ``head_dim ** -0.25`` so that ``sm_scale = 1``
 (Gemma 4) gives O(1) logits.
 
-The gate (DESIGN §8, flash-attn's rule): ``max |ours − fp64| <= err_factor · max |plain − fp64| + err_slack``,
+The gate (docs/design.md §8, flash-attn's rule): ``max |ours − fp64| <= err_factor · max |plain − fp64| + err_slack``,
 where *plain* is naive dense attention computed by torch in the inputs' dtype; and ``out`` is poisoned with NaN
 before the launch, every row below ``total_tokens`` must come back finite and the spare rows past it untouched.
 """

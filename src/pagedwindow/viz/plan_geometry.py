@@ -1,7 +1,7 @@
 """What each tile of a ``PrefillPagedPlan`` covers, and which keys each query of a request sees.
 
 A tile is one CTA's work: ``cta_tile_q`` packed GQA rows of one request (packed row ``r`` is token ``r // group``,
-head-in-group ``r % group``; DESIGN §2), for every KV head. Its rows sit at KV positions ``q_lo .. q_hi - 1``
+head-in-group ``r % group``; docs/design.md §2), for every KV head. Its rows sit at KV positions ``q_lo .. q_hi - 1``
 (bottom-right alignment: token ``j`` of request ``i`` at ``start_i + j``), so the keys it needs are
 ``window_start(q_lo) .. q_hi - 1``: pages left of the window of its first row, and pages right of its last row
 (causal), are never read. This is the semantic footprint; the kernel may read less (it skips masked KV blocks) but

@@ -8,6 +8,7 @@ import pytest
 
 from pagedwindow.cuda import ops
 from pagedwindow.cuda.build import build_shared_library
+from pagedwindow.tiles import SUPPORTED_CTA_TILE_Q
 
 ALIGNED = 1 << 20  # a fake device address, 16-byte aligned (never dereferenced: refusals happen first)
 
@@ -55,6 +56,16 @@ def test_prefill_launchers_refuse_before_any_cuda_call(lib, entry, change, code,
     error_string = lib.pw_prefill_hd256_error_string if entry.endswith("bf16") else \
         lib.pw_prefill_hd256_sm90_error_string
     assert text in error_string(code).decode()
+
+
+@pytest.mark.parametrize("entry", ["pw_prefill_hd256_bf16", "pw_prefill_hd256_bf16_sm90"])
+def test_the_launchers_take_exactly_the_plans_tiles(lib, entry):
+    """``tiles.SUPPORTED_CTA_TILE_Q`` is the one list: the launchers' tile check (``prefill_launch.cuh``) passes
+    every tile in it and refuses every other. An empty grid: an accepted tile returns without a launch."""
+    for tile in range(0, 257):
+        block = ops.PrefillLaunch(**{**GOOD_PREFILL, "cta_tile_q": tile, "grid_tiles": 0})
+        refused = getattr(lib, entry)(ctypes.byref(block), None) == -4
+        assert refused == (tile not in SUPPORTED_CTA_TILE_Q), tile
 
 
 def test_status_strings_cover_every_code(lib):

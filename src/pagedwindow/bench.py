@@ -31,14 +31,13 @@ import torch
 
 import pagedwindow as pw
 
-from .viz.bench_results import FLASHINFER_SYSTEMS, flashinfer_ratios
+from .viz.bench_results import FLASHINFER_SYSTEMS, SYSTEMS, flashinfer_ratios
 
 HQ, HKV, HEAD_DIM, PAGE_SIZE, WINDOW_LEFT, SM_SCALE = 16, 8, 256, 16, 1023, 1.0
 """``PAGE_SIZE`` is the default of ``Workload.page_size``; everything else reads the workload's."""
 OUTPUT_TOLERANCE = 1e-2
 """A system's output passes when max |out - reference| <= OUTPUT_TOLERANCE * max |reference|: four bf16 ulps at
 the output's largest magnitude (Gemma-4 logits are unscaled, so softmax is sharp and outputs reach |V|'s tail)."""
-SYSTEMS = ("pagedwindow", "flashinfer_fa2", "flashinfer_fa3", "flex", "sdpa")
 
 
 def _triangle(n: int) -> int:

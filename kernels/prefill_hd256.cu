@@ -6,8 +6,8 @@
 //   logits = sm_scale * q.k in fp32; softmax in fp32 (exp2 with log2(e) folded into the scale);
 //   out = softmax . V accumulated in fp32, cast once to bf16. Optional natural-log LSE per (row, q head).
 //
-// Structure (FA2-class, mma.sync path; an sm_90a wgmma path can be added as another kernel behind the
-// same launcher):
+// Structure (FA2-class, mma.sync; the sm_90a wgmma kernel, prefill_hd256_sm90.cu, takes the same parameter
+// block on Hopper):
 //   * CTA = kWarps warps, each warp owns 16 packed (token, head-in-group) query rows; cta_tile_q = 16*kWarps.
 //   * KV tile = 64 keys. Q, K and V live in dynamic shared memory, 512-byte rows, 16-byte chunks XOR-swizzled
 //     by (row & 7) so that ldmatrix and cp.async are bank-conflict free.

@@ -193,3 +193,18 @@ def test_shared_read_only_prefix_equals_private_copies(window_left):
                                              backend="reference")[8:]
         torch.testing.assert_close(got[lo:hi], want, rtol=0, atol=1e-12)
     assert not torch.equal(got[:3], got[6:9])
+
+
+@pytest.mark.parametrize("window_left", [-1, 0, 1, 5, 100])
+def test_the_visibility_rule_is_the_same_for_ints_and_tensors(window_left):
+    """``semantics.key_visible`` is the one visibility rule: a broadcast bool mask equals the rule key by key."""
+    from pagedwindow.semantics import key_visible
+
+    q_pos = torch.arange(3, 12)[:, None]  # [9, 1]
+    k_pos = torch.arange(0, 14)[None, :]  # [1, 14]
+    mask = key_visible(q_pos, k_pos, window_left)  # [9, 14]
+    assert mask.dtype == torch.bool and mask.shape == (9, 14)
+    for i, q in enumerate(range(3, 12)):
+        for k in range(14):
+            want = k <= q and (window_left < 0 or q - k <= window_left)
+            assert key_visible(q, k, window_left) is want and bool(mask[i, k]) is want

@@ -31,6 +31,7 @@ import torch
 
 import pagedwindow as pw
 
+from .semantics import key_visible
 from .viz.bench_results import FLASHINFER_SYSTEMS, SYSTEMS, flashinfer_ratios
 
 HQ, HKV, HEAD_DIM, PAGE_SIZE, WINDOW_LEFT, SM_SCALE = 16, 8, 256, 16, 1023, 1.0
@@ -238,9 +239,7 @@ def system_flex(w: Workload, inp: Inputs):
         offset, wl = kv_len - seq, w.window_left
 
         def mask_mod(b, h, q_idx, kv_idx, offset=offset, wl=wl):
-            q_pos = q_idx + offset
-            visible = kv_idx <= q_pos
-            return visible & (q_pos - kv_idx <= wl) if wl >= 0 else visible
+            return key_visible(q_idx + offset, kv_idx, wl)
 
         block_mask = create_block_mask(mask_mod, 1, 1, seq, kv_len, device=inp.q.device)
         calls.append((qr, kr, vr, block_mask))
@@ -275,9 +274,7 @@ def system_sdpa(w: Workload, inp: Inputs):
         v = torch.stack([x[1].transpose(0, 1) for x in kvs]).contiguous()
         q_pos = torch.arange(start, kv_len, device=q.device)[:, None]
         key = torch.arange(kv_len, device=q.device)[None, :]
-        mask = key <= q_pos
-        if w.window_left >= 0:
-            mask &= q_pos - key <= w.window_left
+        mask = key_visible(q_pos, key, w.window_left)  # [seq, kv_len]
         batches.append((reqs, q, k, v, mask))
     outs = []
 

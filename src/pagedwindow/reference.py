@@ -10,7 +10,7 @@ import torch
 
 from .layout import PagedGeometry
 from .plan import PrefillPagedPlan
-from .semantics import window_start
+from .semantics import key_visible, window_start
 
 _LOGITS_BUDGET = 1 << 25  # logits elements materialised at once (128 MiB in fp32)
 
@@ -64,9 +64,7 @@ def batch_prefill_paged_window(q: torch.Tensor, pool: torch.Tensor, geometry: Pa
             logits = torch.einsum("nhgd,mhd->hgnm", rows, keys) * sm_scale  # [hkv, g, n, m]
             q_pos = torch.arange(q_lo, q_hi, device=pool.device)[:, None]  # [n, 1]
             k_pos = torch.arange(k_lo, q_hi, device=pool.device)[None, :]  # [1, m]
-            visible = k_pos <= q_pos
-            if window_left >= 0:
-                visible &= (q_pos - k_pos) <= window_left
+            visible = key_visible(q_pos, k_pos, window_left)  # [n, m]
             logits = logits.masked_fill(~visible, float("-inf"))
             row_lse = torch.logsumexp(logits, dim=-1)  # [hkv, g, n]
             probs = torch.exp(logits - row_lse[..., None])

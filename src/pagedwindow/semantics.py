@@ -73,9 +73,13 @@ def query_position(kv_len: int, seq_len: int, row: int) -> int:
     return kv_len - seq_len + row
 
 
-def key_visible(q_pos: int, k: int, window_left: int) -> bool:
-    """Whether the query at ``q_pos`` sees the key at ``k``."""
-    return k <= q_pos and (window_left < 0 or q_pos - k <= window_left)
+def key_visible(q_pos, k, window_left: int):
+    """Whether the query at KV position ``q_pos`` sees the key at ``k``: ints give a bool; tensors that broadcast
+    (e.g. ``q_pos [n, 1]`` and ``k [1, m]``) give a bool mask. The one place the visibility rule is written."""
+    visible = k <= q_pos
+    if window_left >= 0:
+        visible = visible & (q_pos - k <= window_left)
+    return visible
 
 
 def window_start(q_pos: int, window_left: int) -> int:

@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import PagedWindowError, window_left_from_sliding_window
+from ..semantics import key_visible
 from ._compat import attention_geometry, model_dtype_device
 from .capture import capture_attention
 from .models import random_prompts
@@ -84,9 +85,7 @@ def dense_attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm
     logits = torch.einsum("shgd,lhd->hgsl", q64, k.double()) * sm_scale
     qpos = torch.arange(q_start, q_start + s)[:, None]
     kpos = torch.arange(length)[None, :]
-    visible = kpos <= qpos
-    if window_left >= 0:
-        visible &= (qpos - kpos) <= window_left
+    visible = key_visible(qpos, kpos, window_left)  # [s, length]
     logits = logits.masked_fill(~visible.to(logits.device), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.einsum("hgsl,lhd->shgd", probs, v.double()).reshape(s, hq, d)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import PagedKvLayout, PrefillPagedPlan, append_paged_kv, batch_prefill_paged_window
+from ..semantics import key_visible
 from .plan_geometry import packed_row_values, per_tile_max, tile_spans
 from .runtime import backend_label, observe_backends
 
@@ -97,9 +98,7 @@ def dense_attention(case: ExplorerCase, dtype: torch.dtype) -> torch.Tensor:
             q = case.q[at + j0: at + j1].to(dtype)  # [n, hq, d]
             q_pos = torch.arange(start + j0, start + j1, device=q.device)[:, None]  # [n, 1]
             k_pos = torch.arange(kv_len, device=q.device)[None, :]  # [1, kv]
-            visible = k_pos <= q_pos
-            if case.window_left >= 0:
-                visible &= (q_pos - k_pos) <= case.window_left
+            visible = key_visible(q_pos, k_pos, case.window_left)  # [n, kv]
             logits = torch.einsum("shd,khd->hsk", q, keys) * case.sm_scale  # [hq, n, kv]
             probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
             rows.append(torch.einsum("hsk,khd->shd", probs, values))  # [n, hq, d]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..semantics import window_left_from_sliding_window
+from ..semantics import key_visible, window_left_from_sliding_window
 
 PROBE_ROW_BLOCK = 128  # query rows per float64 block of the probe comparison
 
@@ -118,9 +118,7 @@ def probe_weights(call, *, chunks, page_size: int, backend: str, seed: int = 0) 
         slot = ((keys_c // d) % passes) * d + keys_c % d  # [n, span] column of the key in the table
         ours = table[a:b].gather(2, slot[:, None, :].expand(-1, hq, -1))  # [n, Hq, span]
         logits = torch.einsum("nhd,lhd->nhl", q[a:b].double(), k64) * call.scaling  # [n, Hq, L]
-        visible = key_pos[None, :] <= p
-        if window_left >= 0:
-            visible &= (p - key_pos[None, :]) <= window_left
+        visible = key_visible(p, key_pos[None, :], window_left)  # [n, L]
         truth = torch.softmax(logits.masked_fill(~visible[:, None, :], float("-inf")), dim=-1)
         truth = truth.gather(2, keys_c[:, None, :].expand(-1, hq, -1))  # [n, Hq, span]
         ours = ours.masked_fill(~valid[:, None, :], 0.0)

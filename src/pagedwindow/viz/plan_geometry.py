@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..plan import PrefillPagedPlan
-from ..semantics import check_window_left, window_start
+from ..semantics import check_window_left, key_visible, window_start
 
 
 @dataclass(frozen=True)
@@ -80,10 +80,7 @@ def visibility(start: int, seq: int, window_left: int) -> torch.Tensor:
     window_left = check_window_left(window_left)
     q_pos = torch.arange(start, start + seq)[:, None]  # [seq, 1]
     k_pos = torch.arange(start + seq)[None, :]  # [1, kv_len]
-    visible = k_pos <= q_pos
-    if window_left >= 0:
-        visible &= (q_pos - k_pos) <= window_left
-    return visible
+    return key_visible(q_pos, k_pos, window_left)
 
 
 def packed_row_values(values: torch.Tensor, plan: PrefillPagedPlan) -> list[torch.Tensor]:

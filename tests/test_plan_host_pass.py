@@ -31,12 +31,7 @@ def both_passes(lib, csr, heads, tile, device=None):
     """(numpy result, compiled result, pw_plan_pack status): each result a (state, reason) or the error text."""
     arrays = plan_module._csr_arrays(*csr)
     h = plan_module._Heads.checked(*heads)
-    statuses = []
-
-    class Recording:
-        def pw_plan_pack(self, *args):
-            statuses.append(lib.pw_plan_pack(*args))
-            return statuses[-1]
+    recording = host_pass.Counting(lib)
 
     def run(library):
         saved = plan_module._host_pass_library
@@ -48,7 +43,7 @@ def both_passes(lib, csr, heads, tile, device=None):
         finally:
             plan_module._host_pass_library = saved
 
-    return run(None), run(Recording()), (statuses[0] if statuses else None)
+    return run(None), run(recording), (recording.statuses[0] if recording.statuses else None)
 
 
 def assert_same_state(a, b):
@@ -141,9 +136,13 @@ def test_a_block_too_small_is_refused_not_overrun(lib):
 
 
 def test_the_compiled_pass_runs_where_a_kernels_library_is_loaded(monkeypatch):
-    monkeypatch.setattr(plan_module, "_loaded_kernels", lambda: None)
+    from pagedwindow.cuda import ops
+
+    monkeypatch.setattr(ops, "_by_device", {})
+    assert native.loaded() is None and plan_module._loaded_kernels() is None
     assert plan_module._host_pass_library(None) is None  # a CPU host without kernels: the numpy pass
     assert plan_module._host_pass_library("cpu") is None
     loaded = object()
-    monkeypatch.setattr(plan_module, "_loaded_kernels", lambda: loaded)
+    monkeypatch.setattr(ops, "_by_device", {0: loaded})  # a library loaded for device 0: any plan may use it
+    assert native.loaded() is loaded and plan_module._loaded_kernels() is loaded
     assert plan_module._host_pass_library(None) is loaded and plan_module._host_pass_library("cpu") is loaded

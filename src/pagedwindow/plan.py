@@ -36,7 +36,6 @@ launches of one plan belong on one stream (the copies are ordered on it). Segmen
 from __future__ import annotations
 
 import functools
-import sys
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -432,13 +431,10 @@ _NATIVE_DTYPES = {np.dtype(np.int32): 0, np.dtype(np.int64): 1}
 
 
 def _host_pass_library(device):
-    """The compiled host pass's library for a plan on ``device`` (``pagedwindow.cuda.host_pass``), or None."""
-    lib = _loaded_kernels()
-    if lib is not None or device is None:
-        return lib
+    """The compiled host pass's library for a plan on ``device`` (``pagedwindow.cuda.host_pass.library``)."""
     from .cuda import host_pass
 
-    return host_pass.library(torch.device(device))
+    return host_pass.library(None if device is None else torch.device(device))
 
 
 def _address(array: np.ndarray, given) -> int:
@@ -635,9 +631,10 @@ def _destroy_events(lib, handles: np.ndarray) -> None:
 
 
 def _loaded_kernels():
-    """The kernels' library when one is loaded in this process (it carries the compiled host pass), else None."""
-    ops = sys.modules.get("pagedwindow.cuda.ops")
-    return next(iter(ops._by_device.values())) if ops is not None and ops._by_device else None
+    """The kernels' library when one is loaded in this process (it carries the compiled upload), else None."""
+    from .cuda import host_pass
+
+    return host_pass.loaded()
 
 
 def _cuda_device(device) -> torch.device | None:

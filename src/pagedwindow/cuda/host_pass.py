@@ -35,15 +35,22 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def loaded() -> ctypes.CDLL | None:
+    """A kernels library already loaded in this process (any one: the host pass is the same in every
+    architecture's build), or None."""
+    from . import ops
+
+    return next(iter(ops._by_device.values()), None)
+
+
 def library(device: torch.device | None) -> ctypes.CDLL | None:
     """The library to run the compiled pass with, or None: any kernels library loaded in this process; else,
     for a plan on a CUDA device, that device's (built on first use; a failure is remembered per device)."""
     from . import ops
 
-    if ops._by_device:
-        return next(iter(ops._by_device.values()))
-    if device is None or device.type != "cuda":
-        return None
+    lib = loaded()
+    if lib is not None or device is None or device.type != "cuda":
+        return lib
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index in _failed:
         return None

@@ -30,7 +30,9 @@ loaded), normally in one copy (the batch-sized header, the tile list
 and the live page ids): no host synchronisation, nothing of the page capacity beyond the live pages. Updates and
 launches of one plan belong on one stream (the copies are ordered on it). Segment order in the buffer: ``scalars``
 (``batch_size, total_tokens, num_tiles``) first, then ``page_indptr``, ``last_page_len``, ``qo_indptr``,
-``request_indices``, ``qo_tile_indices``, ``page_indices``, each at capacity.
+``request_indices``, ``qo_tile_indices``, ``page_indices``, each at capacity. A freed plan's mirrors go to a
+pool that new plans on the same device and stream take from (``_MirrorPool``): building a plan every step
+allocates nothing.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ import torch
 from .errors import INT32_MAX, PagedWindowError, checked_i32, checked_i32_array, int_array
 from .tiles import SUPPORTED_CTA_TILE_Q, tile_for_batch, tile_for_capacity
 
-__all__ = ["PlanArrays", "PlanCapacity", "PrefillPagedPlan", "SUPPORTED_CTA_TILE_Q", "check_head_relation"]
+__all__ = ["PlanArrays", "PlanCapacity", "PrefillPagedPlan", "SUPPORTED_CTA_TILE_Q", "check_head_relation",
+           "release_pooled_plan_buffers"]
 
 PLAN_BUFFER_MAX_ENTRIES = 1 << 28
 """A plan's device buffer holds at most 2**28 int32 entries (1 GiB); larger capacities are refused before
@@ -533,9 +536,14 @@ def _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, 
 # -- device mirrors ---------------------------------------------------------------------------------------------
 
 class _DeviceMirror:
-    """A plan's capacity-sized buffer on one GPU, its pinned staging twins, and the event of each one's upload."""
+    """A plan's int32 buffer on one GPU, its pinned staging twins, and the event of each one's upload.
 
-    __slots__ = ("buffer", "staging", "staged", "events", "turn", "lib", "offsets", "event_handles", "__weakref__")
+    ``storage`` is allocated once, at a size class (a power of two) so that a freed plan's mirror fits the next
+    plans of about its size; ``buffer`` is its first ``capacity.buffer_entries`` entries, the view the kernels
+    read, at a fixed address for the plan's life."""
+
+    __slots__ = ("storage", "buffer", "stream", "staging", "staged", "events", "turn", "lib", "offsets",
+                 "event_handles", "__weakref__")
 
     STAGING_BUFFERS = 2
     """Pinned staging buffers used in turn: an update waits only for the upload two updates back, so the host
@@ -543,22 +551,97 @@ class _DeviceMirror:
     MAX_COPIED_GAP = 4096
     """Unused tile entries (at most ``max_tiles - num_tiles``) copied along with the live ones so that one copy
     covers the whole live range; a larger gap costs a second copy instead."""
+    MIN_ENTRIES = 1024
+    """The smallest size class (4 KiB)."""
 
     def __init__(self, capacity: PlanCapacity, device: torch.device):
         # Never reallocated. Only live entries are ever read by the kernels, so neither buffer is zeroed.
-        self.buffer = torch.empty(capacity.buffer_entries, dtype=torch.int32, device=device)  # [entries]
+        self.storage = torch.empty(self.size_class(capacity.buffer_entries), dtype=torch.int32,
+                                   device=device)  # [size class]
+        self.stream = _current_raw_stream(device.index)  # the stream the storage was made on
         self.staging: list[torch.Tensor | None] = [None] * self.STAGING_BUFFERS  # pinned, made on first use
         self.turn = 0
         # The upload path, fixed for the mirror's life: the compiled upload (``pw_plan_upload``, with CUDA events
         # it creates and a finalizer destroys) where the kernels' library is loaded, else torch copies and events.
         self.lib = _loaded_kernels()
         if self.lib is not None:
-            self.offsets = np.array(capacity.segment_offsets(), dtype=np.int64)  # [7]
             self.event_handles = np.zeros(self.STAGING_BUFFERS, dtype=np.uint64)  # cudaEvent_t, 0: none yet
             weakref.finalize(self, _destroy_events, self.lib, self.event_handles).atexit = False  # exit frees all
         else:
             self.staged: list[np.ndarray | None] = [None] * self.STAGING_BUFFERS  # numpy views of the staging
             self.events: list[torch.cuda.Event | None] = [None] * self.STAGING_BUFFERS
+        self.fit(capacity)
+
+    @classmethod
+    def size_class(cls, entries: int) -> int:
+        """The storage entries for a buffer of ``entries``: the next power of two, at least ``MIN_ENTRIES``."""
+        return max(cls.MIN_ENTRIES, 1 << (entries - 1).bit_length())
+
+    def fit(self, capacity: PlanCapacity) -> None:
+        """Lay ``capacity``'s segments over the storage (a new plan taking a pooled mirror)."""
+        self.buffer = self.storage[: capacity.buffer_entries]  # [entries] a view: the storage's address
+        if self.lib is not None:
+            self.offsets = np.array(capacity.segment_offsets(), dtype=np.int64)  # [7]
+
+
+class _MirrorPool:
+    """Mirrors of freed plans, kept for new plans to take instead of allocating device and pinned memory.
+
+    Keyed by (device, the stream the storage was made on): as with torch's caching allocator, memory is reused
+    only on the stream it was made on, where the new plan's first upload is ordered after every launch the freed
+    plan made there. Uploads still wait for the staging buffer's last copy (its event), so no copy in flight is
+    overwritten. A new plan takes the smallest pooled storage that holds it, at most ``MAX_GROWTH`` times its
+    size; at most ``PER_STREAM`` mirrors of at most ``MAX_ENTRIES`` entries are kept per key, the oldest dropped
+    first. :func:`release_pooled_plan_buffers` empties it."""
+
+    PER_STREAM = 8
+    MAX_ENTRIES = 1 << 22  # 16 MiB of device memory (and twice that pinned) per mirror
+    MAX_GROWTH = 4
+
+    def __init__(self):
+        self.free: dict[tuple[int, int], list[_DeviceMirror]] = {}
+
+    def take(self, capacity: PlanCapacity, device: torch.device) -> _DeviceMirror | None:
+        free = self.free.get((device.index, _current_raw_stream(device.index)))
+        if not free:
+            return None
+        need = capacity.buffer_entries
+        fits = [m for m in free if need <= len(m.storage) <= self.MAX_GROWTH * max(need, _DeviceMirror.MIN_ENTRIES)]
+        if not fits:
+            return None
+        mirror = min(fits, key=lambda m: len(m.storage))
+        try:
+            free.remove(mirror)
+        except ValueError:  # taken meanwhile (a finalizer ran inside this call)
+            return None
+        mirror.fit(capacity)
+        return mirror
+
+    def give(self, mirrors) -> None:
+        for mirror in mirrors:
+            if len(mirror.storage) > self.MAX_ENTRIES:
+                continue
+            free = self.free.setdefault((mirror.storage.device.index, mirror.stream), [])
+            free.append(mirror)
+            if len(free) > self.PER_STREAM:
+                free.pop(0)
+
+    def clear(self) -> None:
+        self.free.clear()
+
+
+_MIRROR_POOL = _MirrorPool()
+
+
+def release_pooled_plan_buffers() -> None:
+    """Free the device and pinned buffers kept from plans that were freed (new plans then allocate afresh)."""
+    _MIRROR_POOL.clear()
+
+
+def _return_mirrors(mirrors: dict) -> None:
+    """A plan's finalizer: its mirrors go to the pool."""
+    _MIRROR_POOL.give(list(mirrors.values()))
+
 
     def upload(self, state: _PlanState, cap: PlanCapacity) -> None:
         """Copy ``state`` asynchronously on the device's current stream: its live entries, in one copy (an
@@ -569,8 +652,8 @@ class _DeviceMirror:
         self.turn = (turn + 1) % self.STAGING_BUFFERS
         staging = self.staging[turn]
         if staging is None:
-            staging = self.staging[turn] = torch.empty(len(self.buffer), dtype=torch.int32,
-                                                       pin_memory=True)  # [entries] host
+            staging = self.staging[turn] = torch.empty(len(self.storage), dtype=torch.int32,
+                                                       pin_memory=True)  # [size class] host
         index = self.buffer.device.index
         if self.lib is not None:
             if index == _current_device():
@@ -775,7 +858,9 @@ class PrefillPagedPlan:
     def _mirror(self, device: torch.device) -> _DeviceMirror:
         mirror = self._mirrors.get(device)
         if mirror is None:
-            mirror = _DeviceMirror(self.capacity, device)
+            mirror = _MIRROR_POOL.take(self.capacity, device) or _DeviceMirror(self.capacity, device)
+            if not self._mirrors:  # the first mirror: at the plan's end, its mirrors go to the pool
+                weakref.finalize(self, _return_mirrors, self._mirrors).atexit = False
             if self._state is not None:
                 mirror.upload(self._state, self.capacity)
             self._mirrors[device] = mirror

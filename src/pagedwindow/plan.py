@@ -583,66 +583,6 @@ class _DeviceMirror:
         if self.lib is not None:
             self.offsets = np.array(capacity.segment_offsets(), dtype=np.int64)  # [7]
 
-
-class _MirrorPool:
-    """Mirrors of freed plans, kept for new plans to take instead of allocating device and pinned memory.
-
-    Keyed by (device, the stream the storage was made on): as with torch's caching allocator, memory is reused
-    only on the stream it was made on, where the new plan's first upload is ordered after every launch the freed
-    plan made there. Uploads still wait for the staging buffer's last copy (its event), so no copy in flight is
-    overwritten. A new plan takes the smallest pooled storage that holds it, at most ``MAX_GROWTH`` times its
-    size; at most ``PER_STREAM`` mirrors of at most ``MAX_ENTRIES`` entries are kept per key, the oldest dropped
-    first. :func:`release_pooled_plan_buffers` empties it."""
-
-    PER_STREAM = 8
-    MAX_ENTRIES = 1 << 22  # 16 MiB of device memory (and twice that pinned) per mirror
-    MAX_GROWTH = 4
-
-    def __init__(self):
-        self.free: dict[tuple[int, int], list[_DeviceMirror]] = {}
-
-    def take(self, capacity: PlanCapacity, device: torch.device) -> _DeviceMirror | None:
-        free = self.free.get((device.index, _current_raw_stream(device.index)))
-        if not free:
-            return None
-        need = capacity.buffer_entries
-        fits = [m for m in free if need <= len(m.storage) <= self.MAX_GROWTH * max(need, _DeviceMirror.MIN_ENTRIES)]
-        if not fits:
-            return None
-        mirror = min(fits, key=lambda m: len(m.storage))
-        try:
-            free.remove(mirror)
-        except ValueError:  # taken meanwhile (a finalizer ran inside this call)
-            return None
-        mirror.fit(capacity)
-        return mirror
-
-    def give(self, mirrors) -> None:
-        for mirror in mirrors:
-            if len(mirror.storage) > self.MAX_ENTRIES:
-                continue
-            free = self.free.setdefault((mirror.storage.device.index, mirror.stream), [])
-            free.append(mirror)
-            if len(free) > self.PER_STREAM:
-                free.pop(0)
-
-    def clear(self) -> None:
-        self.free.clear()
-
-
-_MIRROR_POOL = _MirrorPool()
-
-
-def release_pooled_plan_buffers() -> None:
-    """Free the device and pinned buffers kept from plans that were freed (new plans then allocate afresh)."""
-    _MIRROR_POOL.clear()
-
-
-def _return_mirrors(mirrors: dict) -> None:
-    """A plan's finalizer: its mirrors go to the pool."""
-    _MIRROR_POOL.give(list(mirrors.values()))
-
-
     def upload(self, state: _PlanState, cap: PlanCapacity) -> None:
         """Copy ``state`` asynchronously on the device's current stream: its live entries, in one copy (an
         exact-size plan's whole buffer; else the header, the tile list and the live page ids, with the unused
@@ -701,6 +641,65 @@ def _return_mirrors(mirrors: dict) -> None:
         for begin, end in copies:
             self.buffer[begin:end].copy_(staging[begin:end], non_blocking=True)
         event.record()
+
+
+class _MirrorPool:
+    """Mirrors of freed plans, kept for new plans to take instead of allocating device and pinned memory.
+
+    Keyed by (device, the stream the storage was made on): as with torch's caching allocator, memory is reused
+    only on the stream it was made on, where the new plan's first upload is ordered after every launch the freed
+    plan made there. Uploads still wait for the staging buffer's last copy (its event), so no copy in flight is
+    overwritten. A new plan takes the smallest pooled storage that holds it, at most ``MAX_GROWTH`` times its
+    size; at most ``PER_STREAM`` mirrors of at most ``MAX_ENTRIES`` entries are kept per key, the oldest dropped
+    first. :func:`release_pooled_plan_buffers` empties it."""
+
+    PER_STREAM = 8
+    MAX_ENTRIES = 1 << 22  # 16 MiB of device memory (and twice that pinned) per mirror
+    MAX_GROWTH = 4
+
+    def __init__(self):
+        self.free: dict[tuple[int, int], list[_DeviceMirror]] = {}
+
+    def take(self, capacity: PlanCapacity, device: torch.device) -> _DeviceMirror | None:
+        free = self.free.get((device.index, _current_raw_stream(device.index)))
+        if not free:
+            return None
+        need = capacity.buffer_entries
+        fits = [m for m in free if need <= len(m.storage) <= self.MAX_GROWTH * max(need, _DeviceMirror.MIN_ENTRIES)]
+        if not fits:
+            return None
+        mirror = min(fits, key=lambda m: len(m.storage))
+        try:
+            free.remove(mirror)
+        except ValueError:  # taken meanwhile (a finalizer ran inside this call)
+            return None
+        mirror.fit(capacity)
+        return mirror
+
+    def give(self, mirrors) -> None:
+        for mirror in mirrors:
+            if len(mirror.storage) > self.MAX_ENTRIES:
+                continue
+            free = self.free.setdefault((mirror.storage.device.index, mirror.stream), [])
+            free.append(mirror)
+            if len(free) > self.PER_STREAM:
+                free.pop(0)
+
+    def clear(self) -> None:
+        self.free.clear()
+
+
+_MIRROR_POOL = _MirrorPool()
+
+
+def release_pooled_plan_buffers() -> None:
+    """Free the device and pinned buffers kept from plans that were freed (new plans then allocate afresh)."""
+    _MIRROR_POOL.clear()
+
+
+def _return_mirrors(mirrors: dict) -> None:
+    """A plan's finalizer: its mirrors go to the pool."""
+    _MIRROR_POOL.give(list(mirrors.values()))
 
 
 _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)

@@ -343,11 +343,3 @@ def run_decode_case(model, case: DecodeCase, *, backend: str = "auto", seed: int
             first_unclear=first_unclear,
         ))
     return result
-
-
-def greedy_decode_oracle(model, cases: list | None = None, *, backend: str = "auto", seed: int = 0) -> list:
-    """Every case of ``cases`` (default :func:`default_decode_cases` for the model's window)."""
-    if cases is None:
-        window = getattr(model.config, "sliding_window", None) or 16
-        cases = default_decode_cases(window)
-    return [run_decode_case(model, c, backend=backend, seed=seed + i) for i, c in enumerate(cases)]

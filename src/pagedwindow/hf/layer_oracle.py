@@ -178,7 +178,7 @@ def run_layer_case(model, case: LayerCase, *, backend: str = "auto", seed: int =
                 ours_rows[i][g.layer_idx].append(out[at: at + step.seq[i]])
                 at += step.seq[i]
         plan = state.plan_for(geometry[0].num_qo_heads, geometry[0].num_kv_heads, geometry[0].head_dim)
-        result.plan_summaries.append(plan.to_dict() if hasattr(plan, "to_dict") else repr(plan))
+        result.plan_summaries.append(plan.to_dict())
 
     for g in geometry:
         calls = [cap.layer(g.layer_idx) for cap in captures]
@@ -213,11 +213,3 @@ def run_layer_case(model, case: LayerCase, *, backend: str = "auto", seed: int =
             gate=gate(ours_stats, floor_stats, dtype),
         ))
     return result
-
-
-def run_layer_oracle(model, cases: list | None = None, *, backend: str = "auto", seed: int = 0) -> list:
-    """Every case of ``cases`` (default :func:`default_layer_cases` for the model's window)."""
-    if cases is None:
-        window = next((g.sliding_window for g in attention_geometry(model) if g.sliding_window), 16)
-        cases = default_layer_cases(window)
-    return [run_layer_case(model, c, backend=backend, seed=seed + i) for i, c in enumerate(cases)]

@@ -101,9 +101,6 @@ class PagedKvState:
     def pool(self, layer: int) -> torch.Tensor | None:
         return self._group_of[layer].pool
 
-    def local_layer(self, layer: int) -> int:
-        return self._group_of[layer].local(layer)
-
     def reset(self, batch_size: int) -> None:
         """Forget every request; start ``batch_size`` empty ones (pages go back to the free list)."""
         if batch_size < 1:

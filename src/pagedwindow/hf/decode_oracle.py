@@ -23,13 +23,12 @@ and it does not pass, whatever else held. A failed check makes the verdict ``"fa
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from .. import PagedWindowError
-from ._compat import cache_kwarg, model_dtype_device, new_dynamic_cache
+from ._compat import attention_implementation, cache_kwarg, model_dtype_device, new_dynamic_cache
 from .integration import pagedwindow_attention
 from .models import random_prompts
 from .tolerance import ErrorStats, GateResult, error_stats, gate, margin_is_clear, top2_margin
@@ -152,23 +151,12 @@ def step_logits(model, prompts: list, *, continuations: list | None = None, max_
     return tokens, [torch.stack(x) for x in logits]
 
 
-@contextlib.contextmanager
-def hf_attention(model, impl: str):
-    """Run ``model`` under HF implementation ``impl`` inside the block; the previous one comes back after."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(impl)
-    try:
-        yield model
-    finally:
-        model.set_attn_implementation(previous)
-
-
 @torch.no_grad()
 def hf_generate(model, prompt: list, max_new_tokens: int, *, impl: str = "eager") -> tuple:
     """HF ``generate(do_sample=False)`` of one prompt under ``impl``; returns (tokens, logits ``[N, V]``).
     EOS does not stop it (``eos_token_id=None``): exactly ``max_new_tokens`` steps."""
     _, device = model_dtype_device(model)
-    with hf_attention(model, impl):
+    with attention_implementation(model, impl):
         out = model.generate(torch.tensor([prompt], device=device), attention_mask=torch.ones(
             1, len(prompt), dtype=torch.long, device=device), max_new_tokens=max_new_tokens, do_sample=False,
             output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
@@ -308,7 +296,7 @@ def run_decode_case(model, case: DecodeCase, *, backend: str = "auto", seed: int
         prompts = random_prompts(case.prompt_lens, vocab_size=model.config.vocab_size, seed=seed)
     n = case.max_new_tokens
     hf = [hf_generate(model, p, n, impl="eager") for p in prompts]
-    with hf_attention(model, "sdpa"):
+    with attention_implementation(model, "sdpa"):
         floor = [step_logits(model, [p], continuations=[toks], use_cache=True)[1][0]
                  for p, (toks, _) in zip(prompts, hf)]
     hf_previous = model.config._attn_implementation

@@ -6,6 +6,8 @@ new q/k/v rows (concatenated in request order): the K/V are appended into the po
 ``pagedwindow.append_paged_kv`` and attention is read with ``pagedwindow.batch_prefill_paged_window`` through a
 ``PrefillPagedPlan`` whose ``start_i`` is what request i already holds. Positions therefore come from this state,
 never from whatever key tensor a caller happens to hold (HF's sliding layers hand over only the last W keys).
+It knows nothing of any model: ``pagedwindow.hf`` drives it from HF's attention calls, ``pagedwindow.measure``
+from captured q/k/v.
 
 Pages: one page table per request, shared by all layers (the pool layout holds every layer of a page). Layers are
 grouped by (num_kv_heads, head_dim) — Gemma 4's full layers may differ from its sliding ones — and each group has
@@ -22,7 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import PagedKvLayout, PagedWindowError, PrefillPagedPlan, append_paged_kv, batch_prefill_paged_window
+from .api import append_paged_kv, batch_prefill_paged_window
+from .errors import PagedWindowError
+from .layout import PagedKvLayout
+from .plan import PrefillPagedPlan
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 For each request (prompt) HF runs alone (B = 1, no padding) under eager; every layer's q/k/v and output are
 captured, and HF's sdpa is evaluated on the very same q/k/v (the floor). Our side puts all requests of a case in
-one :class:`~pagedwindow.hf.paged.PagedKvState` (shuffled page ids, the case's page size) and replays the
+one :class:`~pagedwindow.kv_state.PagedKvState` (shuffled page ids, the case's page size) and replays the
 prompts in the case's chunk schedule: each step appends the new rows' K/V with ``append_paged_kv`` and reads
 them through a ``PrefillPagedPlan`` with ``batch_prefill_paged_window`` — sm_scale from HF's ``scaling``,
 window_left from HF's ``sliding_window`` via ``pw.window_left_from_sliding_window`` (full layers: -1). A chunk
@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import PagedWindowError, window_left_from_sliding_window
+from ..kv_state import PagedKvState
 from ..semantics import key_visible
 from ._compat import attention_geometry, model_dtype_device
 from .capture import capture_attention
 from .models import random_prompts
-from .paged import PagedKvState
 from .tolerance import ErrorStats, GateResult, error_stats, gate
 
 

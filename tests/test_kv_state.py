@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pagedwindow as pw
-from pagedwindow.kv_state import PagedKvState
+from pagedwindow.kv_state import PagedKvState, chunk_steps, prefix_chunks, prompt_chunks
 
 
 def test_pages_are_shuffled_and_a_window_edge_falls_inside_pages():
@@ -35,3 +35,22 @@ def test_every_layer_attends_once_per_step():
 def test_the_core_state_imports_no_transformers():
     code = "import sys, pagedwindow.kv_state; assert 'transformers' not in sys.modules, 'transformers imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_prefix_chunks():
+    assert prefix_chunks(40, 0) == (40,)
+    assert prefix_chunks(40, 24) == (24, 16)
+    for bad in (-1, 40, 41):
+        with pytest.raises(pw.PagedWindowError, match=r"prefix_len = -?\d+ must be in \[0, prompt_len = 40\)"):
+            prefix_chunks(40, bad)
+
+
+def test_prompt_chunks_are_checked_and_make_the_steps():
+    assert prompt_chunks([5, 3]) == ((5,), (3,))
+    chunks = prompt_chunks([7, 3, 2], [(3, 4), (3,), (1, 1)])
+    assert chunk_steps(chunks) == [[3, 3, 1], [4, 0, 1]]
+    with pytest.raises(pw.PagedWindowError, match=r"^case x: 1 chunk lists for 2 prompts$"):
+        prompt_chunks([5, 3], [(5,)], what="case x: ")
+    for bad in ([(2, 2), (3,)], [(5, 0), (3,)]):
+        with pytest.raises(pw.PagedWindowError, match=r"chunks \(.*\) do not split a prompt of [53] tokens"):
+            prompt_chunks([5, 3], bad)

@@ -179,14 +179,6 @@ def test_probe_catches_a_backend_that_ignores_the_window(monkeypatch):
     assert probe.weight_beyond_window > 1e-3 and probe.max_err > 1e-3
 
 
-def test_chunk_schedule():
-    assert paged_replay.chunk_schedule(40, 0) == (40,)
-    assert paged_replay.chunk_schedule(40, 24) == (24, 16)
-    for bad in (-1, 40, 41):
-        with pytest.raises(ValueError, match="prefix_len"):
-            paged_replay.chunk_schedule(40, bad)
-
-
 # -- runtime and artifacts -----------------------------------------------------------------------------------------
 def test_observe_backends_counts_and_restores():
     case = explorer.build_case(**CASE, dtype=torch.float32, seed=0)

@@ -14,6 +14,9 @@ grouped by (num_kv_heads, head_dim) — Gemma 4's full layers may differ from it
 its own pool with the same page count, so one page id means the same slots in every group. Page ids are handed
 out from a seeded random permutation (shuffled, never contiguous by accident); when the pool runs out it grows
 (copying the old pages). Fresh pools are poisoned with NaN, so a read of a slot nobody wrote shows up as NaN.
+
+Chunk schedules, the one place they are checked: a request's prompt is fed in chunks (:func:`prompt_chunks`,
+:func:`prefix_chunks`), and step ``s`` feeds chunk ``s`` of every request that has one (:func:`chunk_steps`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,37 @@ from .api import append_paged_kv, batch_prefill_paged_window
 from .errors import PagedWindowError
 from .layout import PagedKvLayout
 from .plan import PrefillPagedPlan
+
+
+def prompt_chunks(prompt_lens, chunks=None, *, what: str = "") -> tuple[tuple[int, ...], ...]:
+    """Per request, the chunk sizes its prompt is fed in, checked: one list per prompt, every chunk at least one
+    token, a prompt's chunks summing to its length. ``chunks=None`` feeds each prompt in one chunk. ``what``
+    (e.g. ``"case short: "``) starts the error's message."""
+    lens = [int(n) for n in prompt_lens]
+    if chunks is None:
+        return tuple((n,) for n in lens)
+    chunks = tuple(tuple(int(x) for x in c) for c in chunks)
+    if len(chunks) != len(lens):
+        raise PagedWindowError(f"{what}{len(chunks)} chunk lists for {len(lens)} prompts")
+    for n, c in zip(lens, chunks):
+        if sum(c) != n or any(x < 1 for x in c):
+            raise PagedWindowError(f"{what}chunks {c} do not split a prompt of {n} tokens")
+    return chunks
+
+
+def prefix_chunks(prompt_len: int, prefix_len: int) -> tuple[int, ...]:
+    """A prompt fed as a prefix then the rest on top of it: ``(prompt_len,)`` for ``prefix_len == 0``, else
+    ``(prefix_len, prompt_len - prefix_len)``; ``prefix_len`` must be in ``[0, prompt_len)``."""
+    if not 0 <= prefix_len < prompt_len:
+        raise PagedWindowError(f"prefix_len = {prefix_len} must be in [0, prompt_len = {prompt_len})")
+    return (prompt_len,) if prefix_len == 0 else (prefix_len, prompt_len - prefix_len)
+
+
+def chunk_steps(chunks) -> list[list[int]]:
+    """Per step, per request, its new tokens: step ``s`` feeds chunk ``s`` of every request that has one, 0 to
+    the others (``chunks`` as :func:`prompt_chunks` returns them)."""
+    steps = max((len(c) for c in chunks), default=0)
+    return [[c[s] if s < len(c) else 0 for c in chunks] for s in range(steps)]
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import PagedWindowError
+from ..kv_state import chunk_steps, prompt_chunks
 from ._compat import attention_implementation, cache_kwarg, model_dtype_device, new_dynamic_cache
 from .integration import pagedwindow_attention
 from .models import random_prompts
@@ -71,16 +72,6 @@ def default_decode_cases(sliding_window: int = 16) -> list[DecodeCase]:
     ]
 
 
-def _chunks_of(prompts, prefill_chunks):
-    chunks = prefill_chunks if prefill_chunks is not None else tuple((len(p),) for p in prompts)
-    if len(chunks) != len(prompts):
-        raise PagedWindowError(f"{len(chunks)} chunk lists for {len(prompts)} prompts")
-    for p, c in zip(prompts, chunks):
-        if sum(c) != len(p) or any(n < 1 for n in c):
-            raise PagedWindowError(f"chunks {c} do not split a prompt of {len(p)} tokens")
-    return chunks
-
-
 @torch.no_grad()
 def step_logits(model, prompts: list, *, continuations: list | None = None, max_new_tokens: int | None = None,
                 prefill_chunks=None, use_cache: bool = False, pad_token_id: int = 0) -> tuple:
@@ -94,7 +85,7 @@ def step_logits(model, prompts: list, *, continuations: list | None = None, max_
     """
     dtype, device = model_dtype_device(model)
     bsz = len(prompts)
-    chunks = _chunks_of(prompts, prefill_chunks)
+    chunks = prompt_chunks([len(p) for p in prompts], prefill_chunks)
     if continuations is not None:
         if len(continuations) != bsz or len({len(c) for c in continuations}) != 1:
             raise PagedWindowError("continuations: one list per prompt, all of one length")
@@ -120,8 +111,7 @@ def step_logits(model, prompts: list, *, continuations: list | None = None, max_
             kwargs[ckw] = cache
         return model(**kwargs).logits
 
-    for s in range(max(len(c) for c in chunks)):
-        n = [c[s] if s < len(c) else 0 for c in chunks]
+    for n in chunk_steps(chunks):
         width = max(n)
         ids = torch.full((bsz, width), pad_token_id, dtype=torch.long, device=device)
         valid = torch.zeros((bsz, width), dtype=torch.bool, device=device)

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import PagedWindowError, window_left_from_sliding_window
-from ..kv_state import PagedKvState
+from ..kv_state import PagedKvState, chunk_steps, prompt_chunks
 from ..semantics import key_visible
 from ._compat import attention_geometry, model_dtype_device
 from .capture import capture_attention
@@ -44,14 +44,7 @@ class LayerCase:
 
     def schedule(self) -> list:
         """Per step, per request, the number of new tokens."""
-        chunks = self.chunks if self.chunks is not None else tuple((n,) for n in self.prompt_lens)
-        if len(chunks) != len(self.prompt_lens):
-            raise PagedWindowError(f"case {self.name}: {len(chunks)} chunk lists for {len(self.prompt_lens)} prompts")
-        for n, c in zip(self.prompt_lens, chunks):
-            if sum(c) != n or any(x < 1 for x in c):
-                raise PagedWindowError(f"case {self.name}: chunks {c} do not split a prompt of {n} tokens")
-        steps = max(len(c) for c in chunks)
-        return [[c[s] if s < len(c) else 0 for c in chunks] for s in range(steps)]
+        return chunk_steps(prompt_chunks(self.prompt_lens, self.chunks, what=f"case {self.name}: "))
 
 
 def default_layer_cases(sliding_window: int = 16) -> list[LayerCase]:

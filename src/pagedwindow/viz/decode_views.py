@@ -25,11 +25,12 @@ def decode_case(params: dict):
     """The ``DecodeCase`` of checked parameters: prompts ``[prompt_len, *extra_prompt_lens]`` as one (ragged)
     batch, each prefilled as ``prefix_len`` tokens then the rest (one chunk when ``prefix_len`` is 0)."""
     from ..hf.decode_oracle import DecodeCase
+    from ..kv_state import prefix_chunks
 
     p = params
     lens = (p["prompt_len"], *p["extra_prompt_lens"])
     prefix = p["prefix_len"]
-    chunks = tuple((prefix, n - prefix) for n in lens) if prefix else None
+    chunks = tuple(prefix_chunks(n, prefix) for n in lens) if prefix else None
     return DecodeCase("notebook", lens, p["max_new_tokens"], chunks, page_size=p["page_size"],
                       min_clear_steps=p["min_clear_steps"])
 

@@ -26,13 +26,6 @@ from ..semantics import key_visible, window_left_from_sliding_window
 PROBE_ROW_BLOCK = 128  # query rows per float64 block of the probe comparison
 
 
-def chunk_schedule(prompt_len: int, prefix_len: int) -> tuple:
-    """``(prompt_len,)`` for ``prefix_len == 0``, else ``(prefix_len, prompt_len - prefix_len)`` (chunked)."""
-    if not 0 <= prefix_len < prompt_len:
-        raise ValueError(f"prefix_len = {prefix_len} must be in [0, prompt_len = {prompt_len})")
-    return (prompt_len,) if prefix_len == 0 else (prefix_len, prompt_len - prefix_len)
-
-
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """HF's ``[1, H, L, D]`` as ``[L, H, D]`` (contiguous)."""
     return t[0].transpose(0, 1).contiguous()

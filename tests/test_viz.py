@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import pagedwindow as pw
-from pagedwindow import reference
-from pagedwindow.hf.layer_oracle import dense_attention_f64
+from pagedwindow import reference, testing
 from pagedwindow.semantics import key_visible
 from pagedwindow.viz import (
     artifacts,
@@ -32,17 +31,11 @@ from pagedwindow.viz import (
 
 
 def _plan(page_size=5, seq_lens=(37, 1, 20, 0), starts=(0, 24, 11, 9), hq=4, hkv=2, tile=None, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    kv = [s + n for s, n in zip(starts, seq_lens)]
-    need = [math.ceil(k / page_size) for k in kv]
-    order = torch.randperm(sum(need) + 3, generator=gen).tolist()
-    pages, at = [], 0
-    for n in need:
-        pages.append(order[at: at + n])
-        at += n
-    lasts = [k - (n - 1) * page_size for k, n in zip(kv, need)]
-    return pw.PrefillPagedPlan.batch(pages, lasts, list(starts), list(seq_lens), num_qo_heads=hq, num_kv_heads=hkv,
-                                     head_dim=16, page_size=page_size, cta_tile_q=tile)
+    table = testing.random_pages(torch.Generator().manual_seed(seed), [s + n for s, n in zip(starts, seq_lens)],
+                                 page_size, spare_pages=3)
+    return pw.PrefillPagedPlan.batch(table.pages, table.last_page_lens, list(starts), list(seq_lens),
+                                     num_qo_heads=hq, num_kv_heads=hkv, head_dim=16, page_size=page_size,
+                                     cta_tile_q=tile)
 
 
 # -- plan geometry ---------------------------------------------------------------------------------------------
@@ -112,7 +105,7 @@ def test_explorer_reference_passes_its_gate(dtype):
     assert result.backend == "reference"
     assert result.rows_written and result.spare_rows_untouched
     assert 0 < result.max_abs_err <= result.limit and result.passed and not result.failures()
-    truth = explorer.dense_attention(case, torch.float64)
+    truth = testing.dense_attention(case, sm_scale=case.sm_scale, window_left=case.window_left)
     assert result.max_abs_err == pytest.approx(float((result.out.double() - truth).abs().max()))
     metrics = explorer.explorer_metrics(case, result, err_factor=2.0, err_slack=1e-3)
     assert metrics["passed"] and len(metrics["tiles"]) == case.plan.num_tiles
@@ -150,8 +143,9 @@ def test_replay_matches_dense_attention(sliding_window, chunks):
     (ours0, ours1) = paged_replay.replay_capture(SimpleNamespace(calls=calls), chunks=chunks, page_size=5,
                                                  backend="reference", seed=1)
     for call, ours in zip(calls, (ours0, ours1)):
-        want = dense_attention_f64(call.q[0].transpose(0, 1), call.k[0].transpose(0, 1), call.v[0].transpose(0, 1),
-                                   sm_scale=1.0, window_left=pw.window_left_from_sliding_window(sliding_window))
+        want = testing.dense_attention_of_request(
+            call.q[0].transpose(0, 1), call.k[0].transpose(0, 1), call.v[0].transpose(0, 1), sm_scale=1.0,
+            window_left=pw.window_left_from_sliding_window(sliding_window))
         assert (ours.double() - want).abs().max() < 1e-5
 
 

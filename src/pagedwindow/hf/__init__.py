@@ -32,7 +32,6 @@ _EXPORTS = {
     "PagedKvState": ".kv_state", "StepInfo": ".kv_state",  # pagedwindow.kv_state (the core)
     "LayerCase": "layer_oracle", "LayerCaseResult": "layer_oracle", "LayerError": "layer_oracle",
     "default_layer_cases": "layer_oracle", "run_layer_case": "layer_oracle",
-    "dense_attention_f64": "layer_oracle",
     "use_pagedwindow": "integration", "restore": "integration", "pagedwindow_attention": "integration",
     "PagedWindowSession": "integration", "register": "integration", "ATTN_IMPL": "integration",
     "PagedRows": "integration",

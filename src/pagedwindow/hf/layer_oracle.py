@@ -9,8 +9,8 @@ window_left from HF's ``sliding_window`` via ``pw.window_left_from_sliding_windo
 that starts at position p > 0 is a chunked prefill on a cached prefix; HF's one-shot causal output row for that
 position is the reference (causal attention makes the two the same function).
 
-Also computed: an independent dense float64 attention on the same q/k/v (``truth``), so every backend's own
-error can be plotted against a common yardstick.
+Also computed: the dense float64 attention of ``pagedwindow.testing`` on the same q/k/v (``truth``), so every
+backend's own error can be plotted against a common yardstick.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from .. import PagedWindowError, window_left_from_sliding_window
 from ..kv_state import PagedKvState, chunk_steps, prompt_chunks
-from ..semantics import key_visible
+from ..testing import dense_attention_of_request
 from ._compat import attention_geometry, model_dtype_device
 from .capture import capture_attention
 from .models import random_prompts
@@ -64,24 +64,6 @@ def default_layer_cases(sliding_window: int = 16) -> list[LayerCase]:
         LayerCase("ragged_batch", (7, 2 * w + 1, w + 2, 1), 5, ((3, 4), (w, 1, w), (w + 2,), (1,)),
                   description="ragged batch of prompts, mixed chunking, one single-token prompt"),
     ]
-
-
-def dense_attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float,
-                        window_left: int, q_start: int = 0) -> torch.Tensor:
-    """Independent float64 attention of one request: q ``[S, Hq, D]`` at positions ``q_start..``, k/v
-    ``[L, Hkv, D]`` at positions ``0..L-1``. Visibility: ``k <= p`` and (``window_left < 0`` or
-    ``p - k <= window_left``). Returns ``[S, Hq, D]`` float64."""
-    s, hq, d = q.shape
-    length, hkv, _ = k.shape
-    group = hq // hkv
-    q64 = q.double().reshape(s, hkv, group, d)
-    logits = torch.einsum("shgd,lhd->hgsl", q64, k.double()) * sm_scale
-    qpos = torch.arange(q_start, q_start + s)[:, None]
-    kpos = torch.arange(length)[None, :]
-    visible = key_visible(qpos, kpos, window_left)  # [s, length]
-    logits = logits.masked_fill(~visible.to(logits.device), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.einsum("hgsl,lhd->shgd", probs, v.double()).reshape(s, hq, d)
 
 
 @dataclass
@@ -181,8 +163,9 @@ def run_layer_case(model, case: LayerCase, *, backend: str = "auto", seed: int =
             ours = torch.cat(ours_rows[i][g.layer_idx])  # [L, Hq, D]
             eager = call.outputs["eager"][0]  # [L, Hq, D]
             sdpa = call.outputs["sdpa"][0]
-            truth = dense_attention_f64(call.q[0].transpose(0, 1), call.k[0].transpose(0, 1),
-                                        call.v[0].transpose(0, 1), sm_scale=call.scaling, window_left=window_left)
+            truth = dense_attention_of_request(call.q[0].transpose(0, 1), call.k[0].transpose(0, 1),
+                                               call.v[0].transpose(0, 1), sm_scale=call.scaling,
+                                               window_left=window_left)
             ours_all.append(ours.reshape(-1))
             eager_all.append(eager.reshape(-1))
             sdpa_all.append(sdpa.reshape(-1))

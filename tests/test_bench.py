@@ -8,7 +8,7 @@ import torch
 
 import pagedwindow as pw
 from pagedwindow import bench
-from pagedwindow.viz import bench_results
+from pagedwindow.measure import bench_results
 
 HAS_FROM_CSR = hasattr(pw.PrefillPagedPlan, "from_csr")
 needs_from_csr = pytest.mark.skipif(not HAS_FROM_CSR, reason="PrefillPagedPlan.from_csr has not landed yet")

@@ -1,5 +1,6 @@
-"""pagedwindow.viz: plan geometry against brute force, the explorer's gate, the weight probe (including a backend
-that ignores the window, which it must catch), artifacts, benchmark results, and every plot drawing."""
+"""pagedwindow.measure and pagedwindow.viz: plan geometry against brute force, the explorer's gate, the weight probe
+(including a backend that ignores the window, which it must catch), artifacts, benchmark results, and every plot
+drawing."""
 
 from __future__ import annotations
 
@@ -13,21 +14,9 @@ import torch
 
 import pagedwindow as pw
 from pagedwindow import reference, testing
+from pagedwindow.measure import bench_results, explorer, paged_replay, plan_geometry, prefill_detail, runtime
 from pagedwindow.semantics import key_visible
-from pagedwindow.viz import (
-    artifacts,
-    bench_plots,
-    bench_results,
-    explorer,
-    figures,
-    paged_replay,
-    paths,
-    plan_drawing,
-    plan_geometry,
-    prefill_detail,
-    prefill_plots,
-    runtime,
-)
+from pagedwindow.viz import artifacts, bench_plots, figures, paths, plan_drawing, prefill_plots
 
 
 def _plan(page_size=5, seq_lens=(37, 1, 20, 0), starts=(0, 24, 11, 9), hq=4, hkv=2, tile=None, seed=0):

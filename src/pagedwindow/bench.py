@@ -31,9 +31,9 @@ import torch
 
 import pagedwindow as pw
 
+from .measure.bench_results import FLASHINFER_SYSTEMS, SYSTEMS, flashinfer_ratios
 from .semantics import key_visible
 from .testing import pages_in_turn, random_pages
-from .viz.bench_results import FLASHINFER_SYSTEMS, SYSTEMS, flashinfer_ratios
 
 HQ, HKV, HEAD_DIM, PAGE_SIZE, WINDOW_LEFT, SM_SCALE = 16, 8, 256, 16, 1023, 1.0
 """``PAGE_SIZE`` is the default of ``Workload.page_size``; everything else reads the workload's."""
@@ -496,8 +496,8 @@ def write_plots(path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    from .measure.bench_results import load_results
     from .viz.bench_plots import plot_speedup, plot_throughput
-    from .viz.bench_results import load_results
 
     results = load_results(path)
     for name, plot in (("throughput", plot_throughput), ("speedup", plot_speedup)):

@@ -14,8 +14,8 @@ import math
 import numbers
 
 from ..errors import PagedWindowError
+from ..measure.runtime import DTYPES, resolve_device
 from ..tiles import SUPPORTED_CTA_TILE_Q
-from .runtime import DTYPES, resolve_device
 
 FAMILIES = ("gemma4", "gemma3")
 BACKENDS = ("reference", "cuda", "auto")
@@ -279,7 +279,7 @@ def check_kernel_explorer(*, page_size, seq_lens, start_positions, num_qo_heads,
 
 def check_benchmark(*, results_dir, results_file, run_benchmark, quick, systems, max_err_limit) -> dict:
     """Notebook 04's parameters, checked (``systems``: empty means every system the benchmark knows)."""
-    from .bench_results import SYSTEMS
+    from ..measure.bench_results import SYSTEMS
 
     return {
         "systems": name_list("systems", systems, SYSTEMS),

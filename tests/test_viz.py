@@ -1,6 +1,6 @@
 """pagedwindow.measure and pagedwindow.viz: plan geometry against brute force, the explorer's gate, the weight probe
-(including a backend that ignores the window, which it must catch), artifacts, benchmark results, and every plot
-drawing."""
+(including a backend that ignores the window, which it must catch), what ran, artifacts, benchmark results, and
+every plot drawing."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import pagedwindow as pw
-from pagedwindow import reference, testing
+from pagedwindow import api, reference, testing
 from pagedwindow.measure import bench_results, explorer, paged_replay, plan_geometry, prefill_detail, runtime
 from pagedwindow.semantics import key_visible
 from pagedwindow.viz import artifacts, bench_plots, figures, paths, plan_drawing, prefill_plots
@@ -163,13 +163,13 @@ def test_probe_catches_a_backend_that_ignores_the_window(monkeypatch):
 
 
 # -- runtime and artifacts -----------------------------------------------------------------------------------------
-def test_observe_backends_counts_and_restores():
+def test_observe_backends_counts_and_unregisters():
     case = explorer.build_case(**CASE, dtype=torch.float32, seed=0)
-    before = reference.batch_prefill_paged_window
     with runtime.observe_backends() as launches:
+        assert len(api.prefill_observers) == 1
         explorer.run_case(case, backend="reference")
     assert launches["reference"] == 1 and runtime.backend_label(launches) == "reference"
-    assert reference.batch_prefill_paged_window is before
+    assert api.prefill_observers == []
     assert runtime.backend_label(type(launches)()) == "none"
 
 
@@ -353,25 +353,32 @@ def test_launch_record_and_environment_say_what_ran():
 
 
 def test_observe_backends_records_the_cuda_kernel_and_copy_path(monkeypatch):
+    """Through the API's dispatch with a stand-in CUDA backend: each launch's backend, kernel and copy path."""
     from pagedwindow import cuda
 
+    two, one = (explorer.build_case(**dict(CASE, num_kv_heads=hkv), dtype=torch.float32, backend="reference")
+                for hkv in (2, 1))
     seen = []
-    monkeypatch.setattr(cuda, "batch_prefill_paged_window", lambda *a, **k: seen.append(a))
+    fake = SimpleNamespace(batch_prefill_paged_window=lambda *a, **k: seen.append(a))
+    monkeypatch.setattr(api, "_resolve_backend", lambda *args: "cuda")
+    monkeypatch.setattr(api, "_cuda_backend", lambda: fake)
     monkeypatch.setattr(cuda, "prefill_kernel", lambda device: "wgmma")
-    monkeypatch.setattr(cuda, "kv_copy_path", lambda pool, geometry, hkv: "tma" if hkv == 8 else "cp.async")
-    plan = SimpleNamespace(num_kv_heads=8)
+    monkeypatch.setattr(cuda, "kv_copy_path", lambda pool, geometry, hkv: "tma" if hkv == 2 else "cp.async")
+
+    def launch(case):
+        pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0,
+                                      window_left=3, backend="cuda")
+
     with runtime.observe_backends() as launches:
-        for _ in range(2):
-            cuda.batch_prefill_paged_window("q", torch.zeros(1), "geometry", plan, sm_scale=1.0, window_left=3,
-                                            out=None)
-        cuda.batch_prefill_paged_window("q", torch.zeros(1), "geometry", SimpleNamespace(num_kv_heads=2),
-                                        sm_scale=1.0, window_left=3, out=None)
+        launch(two)
+        launch(two)
+        launch(one)
     assert len(seen) == 3 and launches["cuda"] == 3
     assert runtime.launch_record(launches) == {"backend": "cuda", "launches": {"cuda": 3},
                                                "prefill_kernels": ["wgmma"], "kv_copy_paths": ["cp.async", "tma"]}
     monkeypatch.setattr(cuda, "kv_copy_path", lambda *a: 1 / 0)  # a failing query never breaks the launch
     with runtime.observe_backends() as launches:
-        cuda.batch_prefill_paged_window("q", torch.zeros(1), "geometry", plan, sm_scale=1.0, window_left=3, out=None)
+        launch(two)
     assert len(seen) == 4 and launches.kv_copy_paths == {"unknown": 1}
 
 

@@ -2,8 +2,8 @@
 report has a gate, the pass/fail verdict; ``pagedwindow.viz`` draws and writes them.
 
 One concept per module:
-- ``runtime``: device / dtype names from notebook parameters, the environment summary, the backend that ran and
-  the CUDA launches' prefill kernel and K/V copy path;
+- ``runtime``: device / dtype names from notebook parameters, the environment summary, the backend that ran (an
+  observer of ``pagedwindow.api``'s dispatch) and the CUDA launches' prefill kernel and K/V copy path;
 - ``plan_geometry``: what each tile of a ``PrefillPagedPlan`` covers (packed rows, tokens, keys, pages read and
   skipped) and the visibility mask of a request;
 - ``explorer``: a random paged batch for any plan a user types in (``pagedwindow.testing``), run through a

@@ -1,5 +1,7 @@
 """The PyTorch reference against an independent dense float64 attention; append-then-attend round trips."""
 
+import zlib
+
 import numpy as np
 import pytest
 import torch
@@ -30,7 +32,7 @@ def fp32(scale: float) -> float:
 @pytest.mark.parametrize("window_left", WINDOWS)
 def test_reference_matches_dense_float64(config, window_left):
     page_size, seqs, starts, (hq, hkv) = config
-    gen = torch.Generator().manual_seed(hash((page_size, tuple(seqs), window_left)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"ps{page_size}-seq{seqs}-w{window_left}".encode()))
     case = random_batch(gen, seq_lens=seqs, start_positions=starts, page_size=page_size, num_qo_heads=hq,
                         num_kv_heads=hkv, head_dim=16)
     pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan)

@@ -48,7 +48,7 @@ def test_dense_attention_sees_what_key_visible_says(window_left):
         assert torch.allclose(out[j, seen], torch.full((len(seen),), 1.0 / len(seen), dtype=torch.float64))
 
 
-def test_tolerance_helpers():
+def test_the_tolerance_rule():
     assert testing.error_bound(0.01) == pytest.approx(2 * 0.01 + 1e-3)
     assert testing.error_bound(0.01, factor=0.0, slack=0.0) == 0.0
     assert testing.max_abs_err(torch.tensor([1.0, 2.0]), torch.tensor([1.5, 2.0])) == 0.5

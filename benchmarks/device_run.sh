@@ -6,7 +6,8 @@
 # wheels installed and xz-packed, 19 MB, so the tree fits beside it in one call) or else from .whl/*.whl;
 # VARIANTS="label:VAR=value,VAR=value:tile ..." times pagedwindow alone for each kernel variant (environment, e.g.
 # PAGEDWINDOW_PREFILL_KERNEL or PAGEDWINDOW_NVCC_FLAGS, and plan tile) after the main bench.
-# Results: $OUT/log.txt, the main bench's JSON/MD, host_cost.json, and every bench file in $OUT/bench.tar.gz.
+# Results: $OUT/log.txt, the main bench's JSON/MD, <gpu>-<date>-host-cost.json (named like the bench's files, after
+# the GPU present), and every bench file in $OUT/bench.tar.gz.
 set -uo pipefail
 OUT=${OUT:-/tmp/pw-out}
 mkdir -p "$OUT"
@@ -23,6 +24,8 @@ step() { echo; echo "### $*" | tee -a "$LOG"; }
 echo "PAGEDWINDOW_NVCC_FLAGS='${PAGEDWINDOW_NVCC_FLAGS:-}' PAGEDWINDOW_PREFILL_KERNEL='${PAGEDWINDOW_PREFILL_KERNEL:-}'" \
   | tee -a "$LOG"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader | tee -a "$LOG"
+STEM=$(python3 -c "import datetime, torch; from pagedwindow.bench import result_stem
+print(result_stem(torch.cuda.get_device_name(), datetime.date.today().isoformat()))")
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$LOG"
 
@@ -79,7 +82,7 @@ t4=$(date +%s)
 host="skipped"
 if [ "${SKIP_HOST_COST:-0}" != 1 ]; then
   step "host cost per call and plan build: python3 benchmarks/host_cost.py"
-  python3 benchmarks/host_cost.py --json "$OUT/host_cost.json" ${HOST_COST_ARGS:-} 2>&1 | tee -a "$LOG" | tail -8
+  python3 benchmarks/host_cost.py --json "$OUT/$STEM-host-cost.json" ${HOST_COST_ARGS:-} 2>&1 | tee -a "$LOG" | tail -8
   host="rc=${PIPESTATUS[0]}"
 fi
 t5=$(date +%s)

@@ -1,15 +1,24 @@
 """Worst kernel error per case family against the tolerance rule (GPU): the table the GPU suite's asserts hide.
 
 Rule (docs/design.md §8): max |kernel - fp64| <= 2 * max |plain bf16 torch - fp64| + 1e-3.
-Run on a GPU from the repository root: ``PYTHONPATH=src python3 benchmarks/kernel_error_table.py``.
+The cases are the GPU suite's (``pagedwindow.testing.KERNEL_GEOMETRIES`` x ``KERNEL_WINDOWS``). Run on a GPU from the
+repository root: ``PYTHONPATH=src python3 benchmarks/kernel_error_table.py``.
 """
 
 import sys
 from collections import defaultdict
 
-sys.path.insert(0, ".")
-from tests.cases import dense_attention  # noqa: E402
-from tests.test_cuda_kernels import GEOMETRIES, WINDOWS, plain_bf16_attention, run_case  # noqa: E402
+import torch
+
+from pagedwindow.testing import (
+    KERNEL_GEOMETRIES,
+    KERNEL_SM_SCALE,
+    KERNEL_WINDOWS,
+    dense_attention,
+    error_bound,
+    max_abs_err,
+    run_kernel_case,
+)
 
 
 def families(geometry, window_left):
@@ -27,14 +36,14 @@ def families(geometry, window_left):
 def main() -> int:
     worst = defaultdict(lambda: (0.0, 0.0, 0.0))  # family -> (err, bound, ratio)
     failures = 0
-    for geometry in GEOMETRIES:
-        for window_left in WINDOWS:
-            case, out, _ = run_case(geometry, window_left, seed=7)
+    for geometry in KERNEL_GEOMETRIES:
+        for window_left in KERNEL_WINDOWS:
+            case, out, _ = run_kernel_case(geometry, window_left, seed=7)
             rows = case.plan.total_tokens
-            exact = dense_attention(case, sm_scale=0.0625, window_left=window_left).cuda()
-            plain = (plain_bf16_attention(case, sm_scale=0.0625, window_left=window_left).double() - exact)
-            bound = 2 * plain.abs().max().item() + 1e-3
-            err = (out[:rows].double() - exact).abs().max().item()
+            exact = dense_attention(case, sm_scale=KERNEL_SM_SCALE, window_left=window_left)
+            plain = dense_attention(case, sm_scale=KERNEL_SM_SCALE, window_left=window_left, dtype=torch.bfloat16)
+            bound = error_bound(max_abs_err(plain, exact))
+            err = max_abs_err(out[:rows], exact)
             failures += err > bound
             for family in families(geometry, window_left):
                 if err / bound > worst[family][2]:

@@ -9,7 +9,7 @@ import torch
 import pagedwindow as pw
 from pagedwindow import reference
 from pagedwindow.semantics import check_sm_scale
-from tests.cases import dense_attention, make_case
+from pagedwindow.testing import dense_attention, random_batch
 
 HQ, HKV, D, PS = 4, 2, 8, 4
 
@@ -17,8 +17,8 @@ HQ, HKV, D, PS = 4, 2, 8, 4
 @pytest.fixture
 def case():
     gen = torch.Generator().manual_seed(7)
-    return make_case(gen, seq_lens=[5, 3], start_positions=[2, 0], page_size=PS, num_qo_heads=HQ,
-                     num_kv_heads=HKV, head_dim=D, dtype=torch.float32)
+    return random_batch(gen, seq_lens=[5, 3], start_positions=[2, 0], page_size=PS, num_qo_heads=HQ,
+                        num_kv_heads=HKV, head_dim=D, dtype=torch.float32)
 
 
 def expect_refusal(fn, fragment, *watched):
@@ -316,8 +316,8 @@ def test_inference_tensors_are_written_only_inside_inference_mode(case):
 
 def test_the_scale_is_rounded_to_fp32():
     gen = torch.Generator().manual_seed(13)
-    case = make_case(gen, seq_lens=[6, 3], start_positions=[3, 0], page_size=PS, num_qo_heads=HQ,
-                     num_kv_heads=HKV, head_dim=D)  # float64: a scale change of 1e-8 shows
+    case = random_batch(gen, seq_lens=[6, 3], start_positions=[3, 0], page_size=PS, num_qo_heads=HQ,
+                        num_kv_heads=HKV, head_dim=D)  # float64: a scale change of 1e-8 shows
     appended(case)
     rounded = float(np.float32(0.1))
     assert rounded != 0.1 and check_sm_scale(0.1) == rounded
@@ -353,8 +353,8 @@ def test_scale_bounds_in_fp32():
 @pytest.fixture
 def idle_case():
     gen = torch.Generator().manual_seed(17)
-    return make_case(gen, seq_lens=[0, 0, 0], start_positions=[5, 3, 8], page_size=PS, num_qo_heads=HQ,
-                     num_kv_heads=HKV, head_dim=D, dtype=torch.float32)
+    return random_batch(gen, seq_lens=[0, 0, 0], start_positions=[5, 3, 8], page_size=PS, num_qo_heads=HQ,
+                        num_kv_heads=HKV, head_dim=D, dtype=torch.float32)
 
 
 @pytest.mark.parametrize("backend", ["reference", "auto"])

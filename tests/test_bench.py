@@ -8,7 +8,7 @@ import torch
 
 import pagedwindow as pw
 from pagedwindow import bench
-from pagedwindow.viz import bench_results
+from pagedwindow.measure import bench_results
 
 HAS_FROM_CSR = hasattr(pw.PrefillPagedPlan, "from_csr")
 needs_from_csr = pytest.mark.skipif(not HAS_FROM_CSR, reason="PrefillPagedPlan.from_csr has not landed yet")
@@ -64,7 +64,7 @@ def test_the_serving_workloads_shapes():
 @pytest.mark.parametrize("name", ["decode_256x2000_p32", "prefill_8x2048", "chunk_512_on_30000"])
 def test_paged_csr_encodes_each_requests_kv(name):
     w = bench.WORKLOADS[name]
-    order = torch.randperm(10_000, generator=torch.Generator().manual_seed(0)).tolist()
+    order = torch.randperm(20_000, generator=torch.Generator().manual_seed(0)).tolist()  # more ids than pages
     csr = bench.paged_csr(w, order)
     assert all(t.dtype == torch.int32 and t.device.type == "cpu" for t in csr)
     pages = (csr.kv_indptr[1:] - csr.kv_indptr[:-1]).tolist()
@@ -73,6 +73,8 @@ def test_paged_csr_encodes_each_requests_kv(name):
     seq_lens = (csr.qo_indptr[1:] - csr.qo_indptr[:-1]).tolist()
     assert tuple(kv - n for kv, n in zip(kv_lens, seq_lens)) == w.start_positions  # start = kv_len - seq_len
     assert csr.kv_indices.tolist() == order[: int(csr.kv_indptr[-1])]
+    with pytest.raises(ValueError, match="pages needed"):
+        bench.paged_csr(w, order[: int(csr.kv_indptr[-1]) - 1])  # too few page ids
 
 
 @needs_from_csr

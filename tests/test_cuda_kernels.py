@@ -5,79 +5,33 @@ import pytest
 import torch
 
 import pagedwindow as pw
+from pagedwindow import testing
 from pagedwindow.cuda import ops
 from pagedwindow.layout import checked_paged_geometry
-from tests.cases import dense_attention, make_case
+from pagedwindow.testing import dense_attention, error_bound, max_abs_err, random_batch, run_kernel_case
 
 pytestmark = pytest.mark.cuda
 D = 256
 
 
-def plain_bf16_attention(case, *, sm_scale, window_left):
-    """Attention computed by plain torch ops in bf16 end to end (the precision floor of the tolerance rule)."""
-    group = case.q.shape[1] // case.k.shape[1]
-    rows, qo = [], case.plan.qo_indptr.tolist()
-    for r, (fk, fv) in enumerate(zip(case.full_k, case.full_v)):
-        seq, kv = qo[r + 1] - qo[r], fk.shape[0]
-        q = case.q[qo[r]: qo[r + 1]]
-        qpos = torch.arange(kv - seq, kv, device=q.device)[:, None]
-        key = torch.arange(kv, device=q.device)[None, :]
-        mask = (key <= qpos) & ((qpos - key <= window_left) | (window_left == -1))
-        logits = torch.einsum("shd,khd->hsk", q, fk.repeat_interleave(group, 1)) * sm_scale
-        probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
-        rows.append(torch.einsum("hsk,khd->shd", probs, fv.repeat_interleave(group, 1)))
-    return torch.cat(rows)
+GEOMETRIES, WINDOWS, SM_SCALE = testing.KERNEL_GEOMETRIES, testing.KERNEL_WINDOWS, testing.KERNEL_SM_SCALE
 
 
-GEOMETRIES = [
-    # page_size, seq_lens, start_positions, (hq, hkv), cta_tile_q
-    (16, [577], [0], (16, 8), None),
-    (1, [37, 1], [0, 40], (8, 8), None),
-    (5, [577, 0, 37], [0, 9, 100], (16, 8), 64),
-    (64, [200, 129], [1500, 0], (32, 4), 64),
-    (16, [37, 3], [0, 5], (16, 1), 16),
-    (5, [1], [700], (4, 2), None),
-    (16, [300], [13], (2, 1), 16),
-    (16, [577, 64], [0, 1000], (16, 8), 128),
-    (16, [129, 7], [64, 0], (16, 4), None),
-    (8, [300, 45], [0, 77], (16, 8), 128),
-    (32, [577], [100], (16, 8), None),
-    (128, [200, 70], [1000, 3], (8, 2), 128),
-]
-WINDOWS = [-1, 0, 1, 13, 1023, 10**6]
-
-
-def run_case(geometry, window_left, seed):
-    page_size, seqs, starts, (hq, hkv), tile = geometry
-    gen = torch.Generator().manual_seed(seed)
-    # Slots past each request's length hold NaN: a kernel that lets one reach its PV GEMM writes NaN.
-    case = make_case(gen, seq_lens=seqs, start_positions=starts, page_size=page_size, num_qo_heads=hq,
-                     num_kv_heads=hkv, head_dim=D, dtype=torch.bfloat16, device="cuda", cta_tile_q=tile,
-                     unused_slots=float("nan"))
-    pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan, backend="cuda")
-    rows = case.plan.total_tokens
-    out = torch.full((rows + 3, hq, D), float("nan"), dtype=torch.bfloat16, device="cuda")
-    lse = torch.full((rows + 3, hq), float("nan"), dtype=torch.float32, device="cuda")
-    pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.0625,
-                                  window_left=window_left, out=out, lse=lse, backend="cuda")
-    torch.cuda.synchronize()
-    return case, out, lse
-
-
-@pytest.mark.parametrize("geometry", GEOMETRIES, ids=lambda g: f"ps{g[0]}-seq{g[1]}-h{g[3][0]}x{g[3][1]}-t{g[4]}")
+@pytest.mark.parametrize("geometry", GEOMETRIES, ids=testing.kernel_case_id)
 @pytest.mark.parametrize("window_left", WINDOWS)
 def test_prefill_kernel_against_float64(geometry, window_left):
-    case, out, lse = run_case(geometry, window_left, seed=GEOMETRIES.index(geometry) * 100 + WINDOWS.index(window_left))
+    case, out, lse = run_kernel_case(geometry, window_left,
+                                     seed=GEOMETRIES.index(geometry) * 100 + WINDOWS.index(window_left))
     rows = case.plan.total_tokens
-    exact = dense_attention(case, sm_scale=0.0625, window_left=window_left).cuda()  # [rows, hq, d] fp64
-    plain = plain_bf16_attention(case, sm_scale=0.0625, window_left=window_left)
-    plain_err = (plain.double() - exact).abs().max().item()
+    exact = dense_attention(case, sm_scale=SM_SCALE, window_left=window_left)  # [rows, hq, d] fp64
+    plain = dense_attention(case, sm_scale=SM_SCALE, window_left=window_left, dtype=torch.bfloat16)
+    plain_err = max_abs_err(plain, exact)
     assert not torch.isnan(out[:rows]).any(), "a row that should have been written was not"
     assert torch.isnan(out[rows:]).all(), "rows past total_tokens were written"
-    err = (out[:rows].double() - exact).abs().max().item()
-    assert err <= 2 * plain_err + 1e-3, f"max |kernel - fp64| {err:.3e} vs plain bf16 {plain_err:.3e}"
+    err = max_abs_err(out[:rows], exact)
+    assert err <= error_bound(plain_err), f"max |kernel - fp64| {err:.3e} vs plain bf16 {plain_err:.3e}"
     ref_lse = torch.empty(rows, case.q.shape[1], dtype=torch.float32, device="cuda")
-    pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.0625,
+    pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=SM_SCALE,
                                   window_left=window_left, lse=ref_lse, backend="reference")
     torch.testing.assert_close(lse[:rows], ref_lse, rtol=1e-3, atol=1e-3)
     assert torch.isnan(lse[rows:]).all()
@@ -100,8 +54,8 @@ def test_sm90_kernel_copies_kv_tiles_in_bulk_where_the_page_size_allows(page_siz
 @pytest.mark.parametrize("page_size", [1, 5, 16, 64])
 def test_pool_write_bit_exact(dtype, page_size):
     gen = torch.Generator().manual_seed(page_size)
-    case = make_case(gen, seq_lens=[77, 0, 5], start_positions=[3, 4, 200], page_size=page_size, num_qo_heads=16,
-                     num_kv_heads=8, head_dim=D, dtype=dtype, device="cuda")
+    case = random_batch(gen, seq_lens=[77, 0, 5], start_positions=[3, 4, 200], page_size=page_size, num_qo_heads=16,
+                        num_kv_heads=8, head_dim=D, dtype=dtype, device="cuda")
     expected = case.pool.clone()
     pw.append_paged_kv(case.k, case.v, expected, case.layout, case.layer, case.plan, backend="reference")
     pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan, backend="cuda")
@@ -109,8 +63,8 @@ def test_pool_write_bit_exact(dtype, page_size):
 
 
 def test_auto_routes_bf16_to_the_kernel_and_matches_reference():
-    case, out, _ = run_case(GEOMETRIES[0], 1023, seed=1)
-    auto = pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.0625,
+    case, out, _ = run_kernel_case(GEOMETRIES[0], 1023, seed=1)
+    auto = pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=SM_SCALE,
                                          window_left=1023)
     assert torch.equal(auto, out[: case.plan.total_tokens])
 
@@ -160,9 +114,9 @@ def test_cuda_graph_replay_across_every_update_equals_eager(tile):
         q[:n], k[:n], v[:n] = case.q, case.k, case.v
         out.fill_(float("nan"))
 
-    cases = [(name, make_case(gen, seq_lens=seqs, start_positions=starts, page_size=ps, num_qo_heads=hq,
-                              num_kv_heads=hkv, head_dim=D, dtype=torch.bfloat16, device="cuda",
-                              num_pages=num_pages, num_layers=1, layer=0))
+    cases = [(name, random_batch(gen, seq_lens=seqs, start_positions=starts, page_size=ps, num_qo_heads=hq,
+                                 num_kv_heads=hkv, head_dim=D, dtype=torch.bfloat16, device="cuda",
+                                 num_pages=num_pages, num_layers=1, layer=0))
              for name, seqs, starts in UPDATE_SEQUENCE]
     load(cases[0][1])
     side = torch.cuda.Stream()
@@ -187,7 +141,7 @@ def test_cuda_graph_replay_across_every_update_equals_eager(tile):
         assert not torch.isnan(out[:n]).any(), f"{name}: eager left rows unwritten"
         assert torch.equal(replayed_pool, pool), f"{name}: the replayed pool write differs from eager"
         assert torch.isnan(replayed[n:]).all(), f"{name}: graph replay wrote rows past total_tokens"
-        exact = dense_attention(case, sm_scale=1.0, window_left=1023).cuda()
+        exact = dense_attention(case, sm_scale=1.0, window_left=1023)
         if n:
             err = (out[:n].double() - exact).abs().max().item()
             assert err <= 0.05 * exact.abs().max().item(), f"{name}: eager is wrong ({err:.3e})"
@@ -241,7 +195,7 @@ def test_every_upload_shape_fills_the_live_entries(max_tiles, passes, monkeypatc
 def test_update_does_not_wait_for_the_gpu():
     """An update while a long kernel runs returns without synchronising (pinned staging, async copy), and the
     launch that follows on the stream reads the new plan."""
-    case, _, _ = run_case(GEOMETRIES[1], 13, seed=11)
+    case, _, _ = run_kernel_case(GEOMETRIES[1], 13, seed=11)
     plan = case.plan
     p = plan.to_dict()
     torch.cuda.synchronize()
@@ -261,11 +215,11 @@ def test_update_does_not_wait_for_the_gpu():
 
 
 def test_torch_compile_fullgraph():
-    case, out, _ = run_case(GEOMETRIES[2], 1023, seed=3)
+    case, out, _ = run_kernel_case(GEOMETRIES[2], 1023, seed=3)
     got = torch.empty_like(out)
 
     def direct(q, pool, out):
-        return pw.batch_prefill_paged_window(q, pool, case.layout, case.layer, case.plan, sm_scale=0.0625,
+        return pw.batch_prefill_paged_window(q, pool, case.layout, case.layer, case.plan, sm_scale=SM_SCALE,
                                              window_left=1023, out=out, backend="cuda")
 
     compiled = torch.compile(direct, fullgraph=True)
@@ -276,7 +230,7 @@ def test_torch_compile_fullgraph():
 
 
 def test_opcheck_both_ops():
-    case, out, lse = run_case(GEOMETRIES[0], 13, seed=4)
+    case, out, lse = run_kernel_case(GEOMETRIES[0], 13, seed=4)
     plan = case.plan
     buffer = plan.device_buffer("cuda")
     geo = pw.checked_paged_geometry("t", case.layout, case.pool, case.layer, D, plan.num_kv_heads)
@@ -284,7 +238,7 @@ def test_opcheck_both_ops():
     torch.library.opcheck(torch.ops.pagedwindow.prefill_hd256.default,
                           (case.q, case.pool, buffer, out, lse, geo.k_offset, geo.v_offset, geo.page_stride,
                            geo.page_size, plan.num_qo_heads, plan.num_kv_heads, offsets, plan.capacity.max_tiles,
-                           plan.cta_tile_q, 0.0625, 13))
+                           plan.cta_tile_q, SM_SCALE, 13))
     torch.library.opcheck(torch.ops.pagedwindow.append_paged_kv.default,
                           (case.k, case.v, case.pool, buffer, geo.k_offset, geo.v_offset, geo.page_stride,
                            geo.page_size, plan.num_kv_heads, D, offsets, plan.capacity.max_batch,
@@ -293,8 +247,8 @@ def test_opcheck_both_ops():
 
 def test_cuda_backend_refuses_what_the_kernel_cannot_do():
     gen = torch.Generator().manual_seed(9)
-    case = make_case(gen, seq_lens=[5], start_positions=[0], page_size=4, num_qo_heads=4, num_kv_heads=2,
-                     head_dim=64, dtype=torch.bfloat16, device="cuda")
+    case = random_batch(gen, seq_lens=[5], start_positions=[0], page_size=4, num_qo_heads=4, num_kv_heads=2,
+                        head_dim=64, dtype=torch.bfloat16, device="cuda")
     out = torch.full_like(case.q, 3.0)
     with pytest.raises(pw.PagedWindowError, match="does not support head_dim 64"):
         pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0,
@@ -312,7 +266,7 @@ def test_cuda_backend_refuses_what_the_kernel_cannot_do():
 
 
 def test_cuda_backend_refuses_misaligned_tensors():
-    case, _, _ = run_case(GEOMETRIES[1], 13, seed=5)
+    case, _, _ = run_kernel_case(GEOMETRIES[1], 13, seed=5)
     n, h = case.q.shape[0], case.q.shape[1]
     flat = torch.empty(n * h * D + 8, dtype=torch.bfloat16, device="cuda")
     q = flat[1: 1 + n * h * D].view(n, h, D)  # contiguous, 2 bytes off 16-byte alignment

@@ -4,8 +4,6 @@ import pytest
 
 from pagedwindow.cuda.build import CI_TARGETS, compile_for_targets, parse_ptxas_report
 
-ENTRY_POINTS = ("pw_prefill", "pw_append")
-
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):

@@ -15,17 +15,9 @@ ALIGNED = 1 << 20  # a fake device address, 16-byte aligned (never dereferenced:
 
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory):
-    import os
-
-    before = os.environ.get("PAGEDWINDOW_CACHE_DIR")
-    os.environ["PAGEDWINDOW_CACHE_DIR"] = str(tmp_path_factory.mktemp("cache"))
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # the cache directory only while the library builds, then as it was
+        mp.setenv("PAGEDWINDOW_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
         return ops.load(build_shared_library("sm_80"))  # checks both parameter blocks' sizes against the library
-    finally:
-        if before is None:
-            del os.environ["PAGEDWINDOW_CACHE_DIR"]
-        else:
-            os.environ["PAGEDWINDOW_CACHE_DIR"] = before
 
 
 GOOD_PREFILL = dict(q=ALIGNED, out=ALIGNED, lse=None, pool=ALIGNED, k_offset=0, v_offset=65536, page_stride=262144,

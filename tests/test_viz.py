@@ -1,5 +1,6 @@
-"""pagedwindow.viz: plan geometry against brute force, the explorer's gate, the weight probe (including a backend
-that ignores the window, which it must catch), artifacts, benchmark results, and every plot drawing."""
+"""pagedwindow.measure and pagedwindow.viz: plan geometry against brute force, the explorer's gate, the weight probe
+(including a backend that ignores the window, which it must catch), what ran, artifacts, benchmark results, and
+every plot drawing."""
 
 from __future__ import annotations
 
@@ -12,37 +13,18 @@ import pytest
 import torch
 
 import pagedwindow as pw
-from pagedwindow import reference
-from pagedwindow.hf.layer_oracle import dense_attention_f64
+from pagedwindow import api, reference, testing
+from pagedwindow.measure import bench_results, explorer, paged_replay, plan_geometry, prefill_detail, runtime
 from pagedwindow.semantics import key_visible
-from pagedwindow.viz import (
-    artifacts,
-    bench_plots,
-    bench_results,
-    explorer,
-    figures,
-    paged_replay,
-    paths,
-    plan_drawing,
-    plan_geometry,
-    prefill_detail,
-    prefill_plots,
-    runtime,
-)
+from pagedwindow.viz import artifacts, bench_plots, figures, paths, plan_drawing, prefill_plots
 
 
 def _plan(page_size=5, seq_lens=(37, 1, 20, 0), starts=(0, 24, 11, 9), hq=4, hkv=2, tile=None, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    kv = [s + n for s, n in zip(starts, seq_lens)]
-    need = [math.ceil(k / page_size) for k in kv]
-    order = torch.randperm(sum(need) + 3, generator=gen).tolist()
-    pages, at = [], 0
-    for n in need:
-        pages.append(order[at: at + n])
-        at += n
-    lasts = [k - (n - 1) * page_size for k, n in zip(kv, need)]
-    return pw.PrefillPagedPlan.batch(pages, lasts, list(starts), list(seq_lens), num_qo_heads=hq, num_kv_heads=hkv,
-                                     head_dim=16, page_size=page_size, cta_tile_q=tile)
+    table = testing.random_pages(torch.Generator().manual_seed(seed), [s + n for s, n in zip(starts, seq_lens)],
+                                 page_size, spare_pages=3)
+    return pw.PrefillPagedPlan.batch(table.pages, table.last_page_lens, list(starts), list(seq_lens),
+                                     num_qo_heads=hq, num_kv_heads=hkv, head_dim=16, page_size=page_size,
+                                     cta_tile_q=tile)
 
 
 # -- plan geometry ---------------------------------------------------------------------------------------------
@@ -112,7 +94,7 @@ def test_explorer_reference_passes_its_gate(dtype):
     assert result.backend == "reference"
     assert result.rows_written and result.spare_rows_untouched
     assert 0 < result.max_abs_err <= result.limit and result.passed and not result.failures()
-    truth = explorer.dense_attention(case, torch.float64)
+    truth = testing.dense_attention(case, sm_scale=case.sm_scale, window_left=case.window_left)
     assert result.max_abs_err == pytest.approx(float((result.out.double() - truth).abs().max()))
     metrics = explorer.explorer_metrics(case, result, err_factor=2.0, err_slack=1e-3)
     assert metrics["passed"] and len(metrics["tiles"]) == case.plan.num_tiles
@@ -150,8 +132,9 @@ def test_replay_matches_dense_attention(sliding_window, chunks):
     (ours0, ours1) = paged_replay.replay_capture(SimpleNamespace(calls=calls), chunks=chunks, page_size=5,
                                                  backend="reference", seed=1)
     for call, ours in zip(calls, (ours0, ours1)):
-        want = dense_attention_f64(call.q[0].transpose(0, 1), call.k[0].transpose(0, 1), call.v[0].transpose(0, 1),
-                                   sm_scale=1.0, window_left=pw.window_left_from_sliding_window(sliding_window))
+        want = testing.dense_attention_of_request(
+            call.q[0].transpose(0, 1), call.k[0].transpose(0, 1), call.v[0].transpose(0, 1), sm_scale=1.0,
+            window_left=pw.window_left_from_sliding_window(sliding_window))
         assert (ours.double() - want).abs().max() < 1e-5
 
 
@@ -179,22 +162,14 @@ def test_probe_catches_a_backend_that_ignores_the_window(monkeypatch):
     assert probe.weight_beyond_window > 1e-3 and probe.max_err > 1e-3
 
 
-def test_chunk_schedule():
-    assert paged_replay.chunk_schedule(40, 0) == (40,)
-    assert paged_replay.chunk_schedule(40, 24) == (24, 16)
-    for bad in (-1, 40, 41):
-        with pytest.raises(ValueError, match="prefix_len"):
-            paged_replay.chunk_schedule(40, bad)
-
-
 # -- runtime and artifacts -----------------------------------------------------------------------------------------
-def test_observe_backends_counts_and_restores():
+def test_observe_backends_counts_and_unregisters():
     case = explorer.build_case(**CASE, dtype=torch.float32, seed=0)
-    before = reference.batch_prefill_paged_window
     with runtime.observe_backends() as launches:
+        assert len(api.prefill_observers) == 1
         explorer.run_case(case, backend="reference")
     assert launches["reference"] == 1 and runtime.backend_label(launches) == "reference"
-    assert reference.batch_prefill_paged_window is before
+    assert api.prefill_observers == []
     assert runtime.backend_label(type(launches)()) == "none"
 
 
@@ -378,25 +353,32 @@ def test_launch_record_and_environment_say_what_ran():
 
 
 def test_observe_backends_records_the_cuda_kernel_and_copy_path(monkeypatch):
+    """Through the API's dispatch with a stand-in CUDA backend: each launch's backend, kernel and copy path."""
     from pagedwindow import cuda
 
+    two, one = (explorer.build_case(**dict(CASE, num_kv_heads=hkv), dtype=torch.float32, backend="reference")
+                for hkv in (2, 1))
     seen = []
-    monkeypatch.setattr(cuda, "batch_prefill_paged_window", lambda *a, **k: seen.append(a))
+    fake = SimpleNamespace(batch_prefill_paged_window=lambda *a, **k: seen.append(a))
+    monkeypatch.setattr(api, "_resolve_backend", lambda *args: "cuda")
+    monkeypatch.setattr(api, "_cuda_backend", lambda: fake)
     monkeypatch.setattr(cuda, "prefill_kernel", lambda device: "wgmma")
-    monkeypatch.setattr(cuda, "kv_copy_path", lambda pool, geometry, hkv: "tma" if hkv == 8 else "cp.async")
-    plan = SimpleNamespace(num_kv_heads=8)
+    monkeypatch.setattr(cuda, "kv_copy_path", lambda pool, geometry, hkv: "tma" if hkv == 2 else "cp.async")
+
+    def launch(case):
+        pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0,
+                                      window_left=3, backend="cuda")
+
     with runtime.observe_backends() as launches:
-        for _ in range(2):
-            cuda.batch_prefill_paged_window("q", torch.zeros(1), "geometry", plan, sm_scale=1.0, window_left=3,
-                                            out=None)
-        cuda.batch_prefill_paged_window("q", torch.zeros(1), "geometry", SimpleNamespace(num_kv_heads=2),
-                                        sm_scale=1.0, window_left=3, out=None)
+        launch(two)
+        launch(two)
+        launch(one)
     assert len(seen) == 3 and launches["cuda"] == 3
     assert runtime.launch_record(launches) == {"backend": "cuda", "launches": {"cuda": 3},
                                                "prefill_kernels": ["wgmma"], "kv_copy_paths": ["cp.async", "tma"]}
     monkeypatch.setattr(cuda, "kv_copy_path", lambda *a: 1 / 0)  # a failing query never breaks the launch
     with runtime.observe_backends() as launches:
-        cuda.batch_prefill_paged_window("q", torch.zeros(1), "geometry", plan, sm_scale=1.0, window_left=3, out=None)
+        launch(two)
     assert len(seen) == 4 and launches.kv_copy_paths == {"unknown": 1}
 
 

@@ -1,12 +1,14 @@
 """pagedwindow: sliding-window paged attention at head_dim 256 (Gemma 4's local layers).
 
 Public API: the KV pool layout and its checked geometry, the host plan, the validating prefill and pool-write
-wrappers, the window conversion and the one error family. ``pagedwindow.reference`` is the PyTorch reference
+wrappers, the window conversion, the one error family, and ``PagedKvState`` (a batch's KV across the layers of a
+model, fed step by step through those wrappers). ``pagedwindow.reference`` is the PyTorch reference
 (the CPU backend); ``pagedwindow.cuda`` holds our kernels; ``pagedwindow.hf`` the Hugging Face Gemma oracle.
 """
 
 from .api import append_paged_kv, batch_prefill_paged_window
 from .errors import PagedWindowError
+from .kv_state import PagedKvState, StepInfo
 from .layout import PagedGeometry, PagedKvLayout, checked_paged_geometry
 from .plan import PrefillPagedPlan
 from .semantics import window_left_from_sliding_window
@@ -14,8 +16,10 @@ from .semantics import window_left_from_sliding_window
 __all__ = [
     "PagedGeometry",
     "PagedKvLayout",
+    "PagedKvState",
     "PagedWindowError",
     "PrefillPagedPlan",
+    "StepInfo",
     "append_paged_kv",
     "batch_prefill_paged_window",
     "checked_paged_geometry",

@@ -28,6 +28,11 @@ from .semantics import check_sm_scale, check_window_left
 
 BACKENDS = ("auto", "reference", "cuda")
 
+prefill_observers: list = []
+"""Callables run as ``observer(backend, q, pool, geometry, plan)`` before each prefill launch, with the backend
+that runs it (``"reference"`` | ``"cuda"``). Empty unless someone records what ran
+(``pagedwindow.measure.runtime.observe_backends``); nothing here depends on them."""
+
 
 _cuda_module = []  # the CUDA backend once imported
 
@@ -204,6 +209,8 @@ def batch_prefill_paged_window(q: torch.Tensor, pool: torch.Tensor, layout: Page
     chosen = _resolve_backend(what, backend, plan, q, pool, out, lse)
     if rows == 0:
         return out[:0]
+    for observe in prefill_observers:
+        observe(chosen, q, pool, geometry, plan)
     if chosen == "cuda":
         _cuda_backend().batch_prefill_paged_window(q, pool, geometry, plan, sm_scale=sm_scale,
                                                    window_left=window_left, out=out, lse=lse)

@@ -31,8 +31,9 @@ import torch
 
 import pagedwindow as pw
 
+from .measure.bench_results import FLASHINFER_SYSTEMS, SYSTEMS, flashinfer_ratios
 from .semantics import key_visible
-from .viz.bench_results import FLASHINFER_SYSTEMS, SYSTEMS, flashinfer_ratios
+from .testing import pages_in_turn, random_pages
 
 HQ, HKV, HEAD_DIM, PAGE_SIZE, WINDOW_LEFT, SM_SCALE = 16, 8, 256, 16, 1023, 1.0
 """``PAGE_SIZE`` is the default of ``Workload.page_size``; everything else reads the workload's."""
@@ -135,15 +136,7 @@ class Csr(NamedTuple):
 
 def paged_csr(w: Workload, order: list[int]) -> Csr:
     """``w``'s requests with their pages taken in turn from ``order`` (a request's whole KV is paged)."""
-    kv_lens = torch.tensor(w.kv_lens, dtype=torch.int32)  # [batch]
-    pages = (kv_lens + w.page_size - 1) // w.page_size  # [batch]
-    kv_indptr = torch.zeros(len(kv_lens) + 1, dtype=torch.int32)  # [batch + 1]
-    kv_indptr[1:] = pages.cumsum(0)
-    qo_indptr = torch.zeros_like(kv_indptr)  # [batch + 1]
-    qo_indptr[1:] = torch.tensor(w.seq_lens, dtype=torch.int32).cumsum(0)
-    kv_indices = torch.tensor(order[: int(kv_indptr[-1])], dtype=torch.int32)  # [total_pages]
-    last_page_len = (kv_lens - (pages - 1) * w.page_size).to(torch.int32)  # [batch]
-    return Csr(qo_indptr, kv_indptr, kv_indices, last_page_len)
+    return Csr(*pages_in_turn(w.kv_lens, w.page_size, order).csr(w.seq_lens))
 
 
 def plan_kwargs(w: Workload, cta_tile_q=None) -> dict:
@@ -166,13 +159,15 @@ class Inputs:
 
 
 def make_inputs(w: Workload, gen: torch.Generator, device, cta_tile_q=None) -> Inputs:
-    """A seeded input set for ``w``: pages shuffled by ``gen``, pool and q filled from a generator it seeds."""
+    """A seeded input set for ``w``: pages shuffled by ``gen`` (``pagedwindow.testing.random_pages``), pool and q
+    filled on ``device`` from a generator ``gen`` seeds (a float64 batch on the host would not fit the large
+    workloads)."""
     device = torch.device(device)
-    num_pages = sum(-(-kv // w.page_size) for kv in w.kv_lens) + 8  # every request's pages and 8 spare
-    csr = paged_csr(w, torch.randperm(num_pages, generator=gen).tolist())
+    table = random_pages(gen, w.kv_lens, w.page_size, spare_pages=8)  # every request's pages and 8 spare
+    csr = Csr(*table.csr(w.seq_lens))
     fill = torch.Generator(device).manual_seed(int(torch.randint(2**62, (), generator=gen)))
     layout = pw.PagedKvLayout(1, HKV, HEAD_DIM, w.page_size)
-    pool = layout.allocate(num_pages, torch.bfloat16, device)  # [num_pages, 1, 2, page_size, HKV, HEAD_DIM]
+    pool = layout.allocate(table.num_pages, torch.bfloat16, device)  # [num_pages, 1, 2, page_size, HKV, HEAD_DIM]
     pool.normal_(generator=fill)
     plan = pw.PrefillPagedPlan.from_csr(*csr, **plan_kwargs(w, cta_tile_q), device=device)
     q = torch.randn(sum(w.seq_lens), HQ, HEAD_DIM, generator=fill, device=device,
@@ -501,8 +496,8 @@ def write_plots(path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    from .measure.bench_results import load_results
     from .viz.bench_plots import plot_speedup, plot_throughput
-    from .viz.bench_results import load_results
 
     results = load_results(path)
     for name, plot in (("throughput", plot_throughput), ("speedup", plot_speedup)):

@@ -15,7 +15,7 @@ the index, the run's verdict and what it exercised), ``<run>/`` (the executed ``
 PNG artifacts). Nothing is written into ``notebooks/``.
 
 *What a run exercised* comes from its ``metrics.json``, never from the requested parameters: ``backend`` (the
-backend that ran, :func:`pagedwindow.viz.runtime.backend_label`) and ``environment`` (``gpu`` / ``device``;
+backend that ran, :func:`pagedwindow.measure.runtime.backend_label`) and ``environment`` (``gpu`` / ``device``;
 ``kernels``: the prefill kernel and K/V copy path of its CUDA launches). The commit is the checkout's short sha,
 ``+dirty`` when tracked files differ from it (``$PAGEDWINDOW_COMMIT`` overrides it, for a copy without ``.git``),
 None outside a checkout. Absolute paths of this machine (the report directory, the repository, the home
@@ -286,7 +286,7 @@ def run_exercised(metrics: dict) -> dict:
     """What one run exercised, read from its ``metrics.json``: ``backend`` (the label that ran, ``"unknown"`` when
     the run recorded none), ``device`` (GPU name, ``"CPU"``, or None when it ran no attention), ``prefill_kernels``
     (report names: ``"sm_90a wgmma"`` / ``"mma.sync"``) and ``kv_copy_paths`` of its CUDA launches."""
-    from .viz.runtime import KERNEL_NAMES
+    from .measure.runtime import KERNEL_NAMES
 
     env = metrics.get("environment") if isinstance(metrics.get("environment"), dict) else {}
     kernels = env.get("kernels") if isinstance(env.get("kernels"), dict) else {}

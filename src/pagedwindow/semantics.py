@@ -68,11 +68,6 @@ def check_sm_scale(sm_scale) -> float:
     return rounded
 
 
-def query_position(kv_len: int, seq_len: int, row: int) -> int:
-    """KV position of query ``row`` of a request with ``kv_len`` keys and ``seq_len`` new rows."""
-    return kv_len - seq_len + row
-
-
 def key_visible(q_pos, k, window_left: int):
     """Whether the query at KV position ``q_pos`` sees the key at ``k``: ints give a bool; tensors that broadcast
     (e.g. ``q_pos [n, 1]`` and ``k [1, m]``) give a bool mask. The one place the visibility rule is written."""

@@ -8,6 +8,7 @@ import torch
 from pagedwindow import PagedWindowError
 from pagedwindow.hf.decode_oracle import MIN_CLEAR_STEPS, DecodeCase, DecodeResult, RequestDecode, run_decode_case
 from pagedwindow.hf.tolerance import ErrorStats, GateResult
+from pagedwindow.measure import decode
 from pagedwindow.viz import decode_views
 
 from .conftest import tiny
@@ -48,7 +49,7 @@ def test_too_few_clear_steps_is_inconclusive_and_fails():
     assert result.failures == []
     assert (result.clear_steps, result.compared_steps) == (3, 32)
     assert result.verdict == "inconclusive" and not result.passed
-    m = decode_views.decode_metrics(result)
+    m = decode.decode_metrics(result)
     assert m["passed"] is False and m["verdict"] == "inconclusive"
     assert m["clear_steps"] == 3 and m["min_clear_steps"] == 8 and m["steps"] == 32
     assert any("only 3 of 32" in f and "min_clear_steps = 8" in f for f in m["failures"])
@@ -60,7 +61,7 @@ def test_the_old_vacuous_shape_no_clear_step_at_all_fails():
     # margins never clear and free-running parts at step 0: every per-step check is vacuously true
     result = _result([_request([UNCLEAR] * 32, tf_flip_at=range(32), free_flip_at=0)])
     assert result.failures == [] and result.clear_steps == 0
-    m = decode_views.decode_metrics(result)
+    m = decode.decode_metrics(result)
     assert m["passed"] is False and m["verdict"] == "inconclusive" and m["free_running_compared"] == 0
 
 
@@ -68,7 +69,7 @@ def test_enough_clear_steps_all_matching_passes():
     margins = [CLEAR] * 8 + [UNCLEAR] + [CLEAR] * 3  # a divergence at the unclear step 8 is allowed
     result = _result([_request(margins, tf_flip_at={8}, free_flip_at=9)])
     assert result.verdict == "passed" and result.passed and result.clear_steps == 11
-    m = decode_views.decode_metrics(result)
+    m = decode.decode_metrics(result)
     assert m["passed"] is True and m["verdict"] == "passed" and m["failures"] == []
     assert m["clear_step_matches"] == 11 and m["teacher_forced_matches"] == 11 and m["free_running_compared"] == 8
     assert m["gate_summary"].startswith("PASSED:")
@@ -88,7 +89,7 @@ def test_clear_steps_count_over_every_request_of_the_batch():
 def test_a_failed_check_is_a_failure_even_when_inconclusive(request_kwargs, needle):
     result = _result([_request([CLEAR] * 3 + [UNCLEAR] * 9, **request_kwargs)])
     assert not result.conclusive and result.verdict == "failed"
-    m = decode_views.decode_metrics(result)
+    m = decode.decode_metrics(result)
     assert m["passed"] is False and m["verdict"] == "failed"
     assert any(needle in f for f in m["failures"]), m["failures"]
     assert any(f.startswith("inconclusive: only 3 of 12") for f in m["failures"])  # both reasons are given
@@ -112,7 +113,7 @@ def test_a_real_bf16_run_demanding_more_clear_steps_than_it_has_is_inconclusive(
     again = run_decode_case(model, strict, backend="reference", seed=1)
     assert again.clear_steps == clear and again.failures == []
     assert again.verdict == "inconclusive" and not again.passed
-    assert decode_views.decode_metrics(again)["verdict"] == "inconclusive"
+    assert decode.decode_metrics(again)["verdict"] == "inconclusive"
 
 
 def test_a_real_fp32_run_is_conclusive_with_every_step_clear():

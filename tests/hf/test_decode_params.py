@@ -11,7 +11,8 @@ from pagedwindow import PagedWindowError, report
 from pagedwindow.hf import tiny_config
 from pagedwindow.hf._compat import attention_geometry
 from pagedwindow.hf.models import GEMMA_SLIDING_WINDOW_PATTERN
-from pagedwindow.viz import decode_views, params
+from pagedwindow.measure import decode
+from pagedwindow.viz import params
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 STEM = "03_greedy_decode_oracle"
@@ -38,7 +39,7 @@ def test_the_check_takes_exactly_the_notebooks_parameters():
 def test_extra_prompt_lens_accepts_papermill_strings(given, want):
     p = check(extra_prompt_lens=given)
     assert p["extra_prompt_lens"] == want
-    case = decode_views.decode_case(p)
+    case = decode.decode_case(p)
     assert case.prompt_lens == (10, *want)
     assert case.prefill_chunks == tuple((6, n - 6) for n in (10, *want))
 
@@ -81,11 +82,11 @@ def test_a_gpu_asked_for_where_there_is_none_fails_up_front():
 
 def test_booleans_accept_papermill_strings():
     assert check(tie_word_embeddings="false")["tie_word_embeddings"] is False
-    assert decode_views.model_kwargs(check(tie_word_embeddings="False"))["tie_word_embeddings"] is False
+    assert decode.model_kwargs(check(tie_word_embeddings="False"))["tie_word_embeddings"] is False
 
 
 def test_prefix_len_zero_is_one_prefill_step():
-    assert decode_views.decode_case(check(prefix_len=0)).prefill_chunks is None
+    assert decode.decode_case(check(prefix_len=0)).prefill_chunks is None
 
 
 @pytest.mark.slow
@@ -120,7 +121,7 @@ def _checked_12b() -> dict:
 def test_gemma4_12b_builds_gemma4_attention_geometry():
     p = _checked_12b()
     assert (p["family"], p["dtype"]) == ("gemma4", "bfloat16")
-    config = tiny_config(p["family"], **decode_views.model_kwargs(p))
+    config = tiny_config(p["family"], **decode.model_kwargs(p))
     sliding, full = ["sliding_attention"] * 5, ["full_attention"]
     assert p["sliding_window_pattern"] == GEMMA_SLIDING_WINDOW_PATTERN == 6
     assert config.layer_types == sliding + full  # one whole 5:1 pattern
@@ -141,7 +142,7 @@ def test_gemma4_12b_builds_gemma4_attention_geometry():
 
 def test_gemma4_12b_decode_is_long_chunked_off_page_ragged_and_past_the_window():
     p = _checked_12b()
-    case = decode_views.decode_case(p)
+    case = decode.decode_case(p)
     w, page = p["sliding_window"], p["page_size"]
     assert page == 16 and case.page_size == 16
     assert len(case.prompt_lens) >= 3 and len(set(case.prompt_lens)) == len(case.prompt_lens)  # ragged

@@ -11,11 +11,16 @@ Handled here:
   ``cache.update(..., kwargs=...)``): it happens before the attention function in every version, so we never
   depend on it — the attention function always takes the new K/V as the last ``q_len`` rows it is handed.
 
+Also here: the accessors of a built model every oracle module uses (its decoder stack, attention modules and
+functions, mask builders, dtype and device), and :func:`attention_implementation`, the one way this package
+switches a model's HF attention implementation for a block and brings the previous one back.
+
 transformers is imported lazily (inside functions) everywhere in ``pagedwindow.hf``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 from dataclasses import dataclass
@@ -100,6 +105,18 @@ def attention_function(module, impl: str):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     return ALL_ATTENTION_FUNCTIONS[impl]
+
+
+@contextlib.contextmanager
+def attention_implementation(model, impl: str):
+    """Run ``model`` under HF attention implementation ``impl`` inside the block; the previous one comes back
+    after it, also on error."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(impl)
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(previous)
 
 
 def mask_function(impl: str):

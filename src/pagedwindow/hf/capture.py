@@ -21,6 +21,7 @@ import torch
 from ..errors import PagedWindowError
 from ._compat import (
     attention_function,
+    attention_implementation,
     attention_modules,
     mask_function,
     register_attention,
@@ -137,16 +138,14 @@ def capture_attention(model, input_ids: torch.Tensor, *, driver: str = "eager", 
             raise PagedWindowError(f"capture_attention: implementation {impl!r} is not 'eager' or 'sdpa'")
     ctx = _CaptureContext(driver, compare)
     modules = attention_modules(model)
-    previous = model.config._attn_implementation
     config = model.config
     try:
         for m in modules:
             m._pagedwindow_capture = ctx
         _ACTIVE_IMPLS[id(config)] = ctx.impls
-        model.set_attn_implementation(CAPTURE_IMPL)
-        out = model(input_ids=input_ids, use_cache=False, **forward_kwargs)
+        with attention_implementation(model, CAPTURE_IMPL):
+            out = model(input_ids=input_ids, use_cache=False, **forward_kwargs)
     finally:
-        model.set_attn_implementation(previous)
         for m in modules:
             if hasattr(m, "_pagedwindow_capture"):
                 del m._pagedwindow_capture
@@ -160,9 +159,5 @@ def capture_attention(model, input_ids: torch.Tensor, *, driver: str = "eager", 
 @torch.no_grad()
 def forward_logits(model, input_ids: torch.Tensor, *, impl: str, **forward_kwargs) -> torch.Tensor:
     """Logits of one plain forward under HF implementation ``impl`` (restores the previous one)."""
-    previous = model.config._attn_implementation
-    try:
-        model.set_attn_implementation(impl)
+    with attention_implementation(model, impl):
         return model(input_ids=input_ids, use_cache=False, **forward_kwargs).logits.detach().clone()
-    finally:
-        model.set_attn_implementation(previous)

@@ -23,13 +23,13 @@ and it does not pass, whatever else held. A failed check makes the verdict ``"fa
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import asdict, dataclass, field
 
 import torch
 
 from .. import PagedWindowError
-from ._compat import cache_kwarg, model_dtype_device, new_dynamic_cache
+from ..kv_state import chunk_steps, prompt_chunks
+from ._compat import attention_implementation, cache_kwarg, model_dtype_device, new_dynamic_cache
 from .integration import pagedwindow_attention
 from .models import random_prompts
 from .tolerance import ErrorStats, GateResult, error_stats, gate, margin_is_clear, top2_margin
@@ -72,16 +72,6 @@ def default_decode_cases(sliding_window: int = 16) -> list[DecodeCase]:
     ]
 
 
-def _chunks_of(prompts, prefill_chunks):
-    chunks = prefill_chunks if prefill_chunks is not None else tuple((len(p),) for p in prompts)
-    if len(chunks) != len(prompts):
-        raise PagedWindowError(f"{len(chunks)} chunk lists for {len(prompts)} prompts")
-    for p, c in zip(prompts, chunks):
-        if sum(c) != len(p) or any(n < 1 for n in c):
-            raise PagedWindowError(f"chunks {c} do not split a prompt of {len(p)} tokens")
-    return chunks
-
-
 @torch.no_grad()
 def step_logits(model, prompts: list, *, continuations: list | None = None, max_new_tokens: int | None = None,
                 prefill_chunks=None, use_cache: bool = False, pad_token_id: int = 0) -> tuple:
@@ -95,7 +85,7 @@ def step_logits(model, prompts: list, *, continuations: list | None = None, max_
     """
     dtype, device = model_dtype_device(model)
     bsz = len(prompts)
-    chunks = _chunks_of(prompts, prefill_chunks)
+    chunks = prompt_chunks([len(p) for p in prompts], prefill_chunks)
     if continuations is not None:
         if len(continuations) != bsz or len({len(c) for c in continuations}) != 1:
             raise PagedWindowError("continuations: one list per prompt, all of one length")
@@ -121,8 +111,7 @@ def step_logits(model, prompts: list, *, continuations: list | None = None, max_
             kwargs[ckw] = cache
         return model(**kwargs).logits
 
-    for s in range(max(len(c) for c in chunks)):
-        n = [c[s] if s < len(c) else 0 for c in chunks]
+    for n in chunk_steps(chunks):
         width = max(n)
         ids = torch.full((bsz, width), pad_token_id, dtype=torch.long, device=device)
         valid = torch.zeros((bsz, width), dtype=torch.bool, device=device)
@@ -152,23 +141,12 @@ def step_logits(model, prompts: list, *, continuations: list | None = None, max_
     return tokens, [torch.stack(x) for x in logits]
 
 
-@contextlib.contextmanager
-def hf_attention(model, impl: str):
-    """Run ``model`` under HF implementation ``impl`` inside the block; the previous one comes back after."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(impl)
-    try:
-        yield model
-    finally:
-        model.set_attn_implementation(previous)
-
-
 @torch.no_grad()
 def hf_generate(model, prompt: list, max_new_tokens: int, *, impl: str = "eager") -> tuple:
     """HF ``generate(do_sample=False)`` of one prompt under ``impl``; returns (tokens, logits ``[N, V]``).
     EOS does not stop it (``eos_token_id=None``): exactly ``max_new_tokens`` steps."""
     _, device = model_dtype_device(model)
-    with hf_attention(model, impl):
+    with attention_implementation(model, impl):
         out = model.generate(torch.tensor([prompt], device=device), attention_mask=torch.ones(
             1, len(prompt), dtype=torch.long, device=device), max_new_tokens=max_new_tokens, do_sample=False,
             output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
@@ -308,7 +286,7 @@ def run_decode_case(model, case: DecodeCase, *, backend: str = "auto", seed: int
         prompts = random_prompts(case.prompt_lens, vocab_size=model.config.vocab_size, seed=seed)
     n = case.max_new_tokens
     hf = [hf_generate(model, p, n, impl="eager") for p in prompts]
-    with hf_attention(model, "sdpa"):
+    with attention_implementation(model, "sdpa"):
         floor = [step_logits(model, [p], continuations=[toks], use_cache=True)[1][0]
                  for p, (toks, _) in zip(prompts, hf)]
     hf_previous = model.config._attn_implementation
@@ -343,11 +321,3 @@ def run_decode_case(model, case: DecodeCase, *, backend: str = "auto", seed: int
             first_unclear=first_unclear,
         ))
     return result
-
-
-def greedy_decode_oracle(model, cases: list | None = None, *, backend: str = "auto", seed: int = 0) -> list:
-    """Every case of ``cases`` (default :func:`default_decode_cases` for the model's window)."""
-    if cases is None:
-        window = getattr(model.config, "sliding_window", None) or 16
-        cases = default_decode_cases(window)
-    return [run_decode_case(model, c, backend=backend, seed=seed + i) for i, c in enumerate(cases)]

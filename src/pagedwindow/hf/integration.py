@@ -37,8 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from .. import PagedWindowError, window_left_from_sliding_window
+from ..kv_state import PagedKvState
 from ._compat import attention_geometry, attention_modules, decoder, register_attention
-from .paged import PagedKvState
 
 ATTN_IMPL = "pagedwindow"
 

@@ -2,15 +2,15 @@
 
 For each request (prompt) HF runs alone (B = 1, no padding) under eager; every layer's q/k/v and output are
 captured, and HF's sdpa is evaluated on the very same q/k/v (the floor). Our side puts all requests of a case in
-one :class:`~pagedwindow.hf.paged.PagedKvState` (shuffled page ids, the case's page size) and replays the
+one :class:`~pagedwindow.kv_state.PagedKvState` (shuffled page ids, the case's page size) and replays the
 prompts in the case's chunk schedule: each step appends the new rows' K/V with ``append_paged_kv`` and reads
 them through a ``PrefillPagedPlan`` with ``batch_prefill_paged_window`` — sm_scale from HF's ``scaling``,
 window_left from HF's ``sliding_window`` via ``pw.window_left_from_sliding_window`` (full layers: -1). A chunk
 that starts at position p > 0 is a chunked prefill on a cached prefix; HF's one-shot causal output row for that
 position is the reference (causal attention makes the two the same function).
 
-Also computed: an independent dense float64 attention on the same q/k/v (``truth``), so every backend's own
-error can be plotted against a common yardstick.
+Also computed: the dense float64 attention of ``pagedwindow.testing`` on the same q/k/v (``truth``), so every
+backend's own error can be plotted against a common yardstick.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .. import PagedWindowError, window_left_from_sliding_window
-from ..semantics import key_visible
+from ..kv_state import PagedKvState, chunk_steps, prompt_chunks
+from ..testing import dense_attention_of_request
 from ._compat import attention_geometry, model_dtype_device
 from .capture import capture_attention
 from .models import random_prompts
-from .paged import PagedKvState
 from .tolerance import ErrorStats, GateResult, error_stats, gate
 
 
@@ -44,14 +44,7 @@ class LayerCase:
 
     def schedule(self) -> list:
         """Per step, per request, the number of new tokens."""
-        chunks = self.chunks if self.chunks is not None else tuple((n,) for n in self.prompt_lens)
-        if len(chunks) != len(self.prompt_lens):
-            raise PagedWindowError(f"case {self.name}: {len(chunks)} chunk lists for {len(self.prompt_lens)} prompts")
-        for n, c in zip(self.prompt_lens, chunks):
-            if sum(c) != n or any(x < 1 for x in c):
-                raise PagedWindowError(f"case {self.name}: chunks {c} do not split a prompt of {n} tokens")
-        steps = max(len(c) for c in chunks)
-        return [[c[s] if s < len(c) else 0 for c in chunks] for s in range(steps)]
+        return chunk_steps(prompt_chunks(self.prompt_lens, self.chunks, what=f"case {self.name}: "))
 
 
 def default_layer_cases(sliding_window: int = 16) -> list[LayerCase]:
@@ -71,24 +64,6 @@ def default_layer_cases(sliding_window: int = 16) -> list[LayerCase]:
         LayerCase("ragged_batch", (7, 2 * w + 1, w + 2, 1), 5, ((3, 4), (w, 1, w), (w + 2,), (1,)),
                   description="ragged batch of prompts, mixed chunking, one single-token prompt"),
     ]
-
-
-def dense_attention_f64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float,
-                        window_left: int, q_start: int = 0) -> torch.Tensor:
-    """Independent float64 attention of one request: q ``[S, Hq, D]`` at positions ``q_start..``, k/v
-    ``[L, Hkv, D]`` at positions ``0..L-1``. Visibility: ``k <= p`` and (``window_left < 0`` or
-    ``p - k <= window_left``). Returns ``[S, Hq, D]`` float64."""
-    s, hq, d = q.shape
-    length, hkv, _ = k.shape
-    group = hq // hkv
-    q64 = q.double().reshape(s, hkv, group, d)
-    logits = torch.einsum("shgd,lhd->hgsl", q64, k.double()) * sm_scale
-    qpos = torch.arange(q_start, q_start + s)[:, None]
-    kpos = torch.arange(length)[None, :]
-    visible = key_visible(qpos, kpos, window_left)  # [s, length]
-    logits = logits.masked_fill(~visible.to(logits.device), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return torch.einsum("hgsl,lhd->shgd", probs, v.double()).reshape(s, hq, d)
 
 
 @dataclass
@@ -178,7 +153,7 @@ def run_layer_case(model, case: LayerCase, *, backend: str = "auto", seed: int =
                 ours_rows[i][g.layer_idx].append(out[at: at + step.seq[i]])
                 at += step.seq[i]
         plan = state.plan_for(geometry[0].num_qo_heads, geometry[0].num_kv_heads, geometry[0].head_dim)
-        result.plan_summaries.append(plan.to_dict() if hasattr(plan, "to_dict") else repr(plan))
+        result.plan_summaries.append(plan.to_dict())
 
     for g in geometry:
         calls = [cap.layer(g.layer_idx) for cap in captures]
@@ -188,8 +163,9 @@ def run_layer_case(model, case: LayerCase, *, backend: str = "auto", seed: int =
             ours = torch.cat(ours_rows[i][g.layer_idx])  # [L, Hq, D]
             eager = call.outputs["eager"][0]  # [L, Hq, D]
             sdpa = call.outputs["sdpa"][0]
-            truth = dense_attention_f64(call.q[0].transpose(0, 1), call.k[0].transpose(0, 1),
-                                        call.v[0].transpose(0, 1), sm_scale=call.scaling, window_left=window_left)
+            truth = dense_attention_of_request(call.q[0].transpose(0, 1), call.k[0].transpose(0, 1),
+                                               call.v[0].transpose(0, 1), sm_scale=call.scaling,
+                                               window_left=window_left)
             ours_all.append(ours.reshape(-1))
             eager_all.append(eager.reshape(-1))
             sdpa_all.append(sdpa.reshape(-1))
@@ -213,11 +189,3 @@ def run_layer_case(model, case: LayerCase, *, backend: str = "auto", seed: int =
             gate=gate(ours_stats, floor_stats, dtype),
         ))
     return result
-
-
-def run_layer_oracle(model, cases: list | None = None, *, backend: str = "auto", seed: int = 0) -> list:
-    """Every case of ``cases`` (default :func:`default_layer_cases` for the model's window)."""
-    if cases is None:
-        window = next((g.sliding_window for g in attention_geometry(model) if g.sliding_window), 16)
-        cases = default_layer_cases(window)
-    return [run_layer_case(model, c, backend=backend, seed=seed + i) for i, c in enumerate(cases)]

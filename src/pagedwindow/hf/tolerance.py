@@ -18,7 +18,7 @@ Gates:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 
@@ -36,9 +36,6 @@ class ErrorStats:
     max_abs: float
     max_rel: float
     ref_max: float
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def error_stats(x: torch.Tensor, ref: torch.Tensor) -> ErrorStats:
@@ -63,9 +60,6 @@ class GateResult:
     value: float
     limit: float
     rule: str
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def gate(ours: ErrorStats, floor: ErrorStats | None, dtype: torch.dtype) -> GateResult:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from .bench_results import BenchResults, applied_bound
+from ..measure.bench_results import BenchResults, applied_bound
 from .figures import new_figure, zero_floor
 
 

@@ -14,8 +14,8 @@ import math
 import numbers
 
 from ..errors import PagedWindowError
+from ..measure.runtime import DTYPES, resolve_device
 from ..tiles import SUPPORTED_CTA_TILE_Q
-from .runtime import DTYPES, resolve_device
 
 FAMILIES = ("gemma4", "gemma3")
 BACKENDS = ("reference", "cuda", "auto")
@@ -163,16 +163,17 @@ def default_prefix_len(prompt_len: int) -> int:
     return (num * prompt_len) // den if prompt_len >= 2 else 0
 
 
-def prefix_length(prefix_len, prompt_len: int) -> int:
-    """``prefix_len`` checked against ``prompt_len``: -1 -> :func:`default_prefix_len`; 0 -> one step;
-    otherwise it must be below ``prompt_len`` (the rest is prefilled as a chunk on the cached prefix)."""
-    value = integer("prefix_len", prefix_len, minimum=PREFIX_DEFAULT)
-    if value == PREFIX_DEFAULT:
-        return default_prefix_len(prompt_len)
-    if value >= prompt_len:
-        raise PagedWindowError(f"parameter prefix_len = {value} must be < prompt_len = {prompt_len} (0: one "
-                               f"prefill step; -1: {PREFIX_FRACTION[0]}/{PREFIX_FRACTION[1]} of prompt_len)")
-    return value
+def prefix_below_every_prompt(prefix: int, prompt_len: int, extra_prompt_lens: list[int], *, note: str = "") -> int:
+    """``prefix`` (an int >= 0) when it is 0 or below every prompt of the batch (``prompt_len`` and
+    ``extra_prompt_lens``: each is prefilled as ``prefix`` tokens, then the rest); else an error naming the
+    shortest prompt's parameter. ``note`` ends the error's explanation."""
+    lens = [prompt_len, *extra_prompt_lens]
+    if prefix and prefix >= min(lens):
+        shortest = lens.index(min(lens))
+        name = "prompt_len" if shortest == 0 else f"extra_prompt_lens[{shortest - 1}]"
+        raise PagedWindowError(f"parameter prefix_len = {prefix} must be < {name} = {min(lens)} (every prompt is "
+                               f"prefilled as prefix_len tokens, then the rest; 0: one prefill step{note})")
+    return prefix
 
 
 def check_window_prefill(*, family, num_layers, sliding_window_pattern, num_qo_heads, num_kv_heads, head_dim,
@@ -184,11 +185,11 @@ def check_window_prefill(*, family, num_layers, sliding_window_pattern, num_qo_h
     head = _rotary_head_dim(head_dim)
     prompt = integer("prompt_len", prompt_len, minimum=1)
     extra = int_list("extra_prompt_lens", extra_prompt_lens, minimum=1, min_length=0)
-    prefix = prefix_length(prefix_len, prompt)
-    if prefix and extra and prefix >= min(extra):
-        raise PagedWindowError(f"parameter prefix_len = {prefix} must be < extra_prompt_lens"
-                               f"[{extra.index(min(extra))}] = {min(extra)} (every prompt is prefilled as prefix_len "
-                               "tokens, then the rest; 0: one prefill step)")
+    prefix = integer("prefix_len", prefix_len, minimum=PREFIX_DEFAULT)
+    if prefix == PREFIX_DEFAULT:
+        prefix = default_prefix_len(prompt)
+    prefix = prefix_below_every_prompt(prefix, prompt, extra,
+                                       note=f"; -1: {PREFIX_FRACTION[0]}/{PREFIX_FRACTION[1]} of prompt_len")
     return {
         "family": choice("family", family, FAMILIES),
         "num_layers": integer("num_layers", num_layers, minimum=1),
@@ -215,12 +216,8 @@ def check_greedy_decode(*, family, num_layers, sliding_window_pattern, num_qo_he
     head = _rotary_head_dim(head_dim)
     prompt = integer("prompt_len", prompt_len, minimum=1)
     extra = int_list("extra_prompt_lens", extra_prompt_lens, minimum=1, min_length=0)
-    prefix = integer("prefix_len", prefix_len, minimum=0)
+    prefix = prefix_below_every_prompt(integer("prefix_len", prefix_len, minimum=0), prompt, extra)
     lens = [prompt, *extra]
-    if prefix and prefix >= min(lens):
-        name = "prompt_len" if prompt == min(lens) else f"extra_prompt_lens[{extra.index(min(lens))}]"
-        raise PagedWindowError(f"parameter prefix_len = {prefix} must be < {name} = {min(lens)} (every prompt is "
-                               "prefilled as prefix_len tokens, then the rest; 0: one prefill step)")
     steps = integer("max_new_tokens", max_new_tokens, minimum=1)
     if max(lens) + steps > MAX_POSITION_EMBEDDINGS:
         raise PagedWindowError(f"parameters prompt_len / extra_prompt_lens + max_new_tokens = {max(lens) + steps} "
@@ -282,7 +279,7 @@ def check_kernel_explorer(*, page_size, seq_lens, start_positions, num_qo_heads,
 
 def check_benchmark(*, results_dir, results_file, run_benchmark, quick, systems, max_err_limit) -> dict:
     """Notebook 04's parameters, checked (``systems``: empty means every system the benchmark knows)."""
-    from .bench_results import SYSTEMS
+    from ..measure.bench_results import SYSTEMS
 
     return {
         "systems": name_list("systems", systems, SYSTEMS),

@@ -10,9 +10,9 @@ from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
+from ..measure.plan_geometry import TileSpan, tile_spans, visibility
 from ..plan import PrefillPagedPlan
 from .figures import error_log_range, new_figure, plt, zero_floor
-from .plan_geometry import TileSpan, tile_spans, visibility
 
 MASK_COLORS = ListedColormap(["#ffffff", "#9ecae1", "#08519c"])  # hidden, visible cached key, visible new key
 TILE_COLORS = ListedColormap(["#ffffff", "#d9d9d9", "#31a354", "#fcbba1"])  # no page, left, read, right

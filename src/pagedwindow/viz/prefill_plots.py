@@ -7,8 +7,8 @@ import math
 
 import torch
 
+from ..measure.prefill_detail import PrefillDetail
 from .figures import error_log_range, new_figure, zero_floor
-from .prefill_detail import PrefillDetail
 
 
 def _layer_label(d) -> str:

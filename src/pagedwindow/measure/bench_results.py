@@ -16,8 +16,6 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .paths import resolve_path
-
 SYSTEMS = ("pagedwindow", "flashinfer_fa2", "flashinfer_fa3", "flex", "sdpa")
 FLASHINFER_SYSTEMS = ("flashinfer_fa2", "flashinfer_fa3")
 TIMES = ("e2e_ms", "ms", "plan_ms", "update_plan_ms", "plan_ms_host_indptr")
@@ -27,11 +25,12 @@ RESULTS_PATTERN = re.compile(r"^([a-z0-9]+(?:-[a-z0-9]+)*?)-(\d{4}-\d{2}-\d{2})(
 
 
 def newest_results(results_dir) -> Path | None:
-    """The ``<gpu>-<date>*.json`` with the latest date in ``results_dir`` (name order breaks ties), or None."""
-    found = resolve_path(results_dir)
-    if found is None or not found.is_dir():
+    """The ``<gpu>-<date>*.json`` with the latest date in the directory ``results_dir`` (name order breaks ties),
+    or None (also for ``results_dir`` None or not a directory). A name as a user typed it is resolved first by the
+    caller (``pagedwindow.viz.paths.resolve_path``: the working directory, then the repository)."""
+    if results_dir is None or not Path(results_dir).is_dir():
         return None
-    files = [p for p in found.iterdir() if RESULTS_PATTERN.match(p.name)]
+    files = [p for p in Path(results_dir).iterdir() if RESULTS_PATTERN.match(p.name)]
     if not files:
         return None
     return max(files, key=lambda p: (RESULTS_PATTERN.match(p.name).group(2), p.name))

@@ -1,7 +1,7 @@
 """HF's captured per-layer q/k/v replayed through the paged API, and a probe of the attention weights used.
 
 :func:`replay_capture` feeds one prompt's captured q/k/v (``pagedwindow.hf.capture_attention``, batch of one) into
-a ``pagedwindow.hf.PagedKvState`` in a chunk schedule — each step appends the chunk's K/V and attends through a
+a ``pagedwindow.PagedKvState`` in a chunk schedule — each step appends the chunk's K/V and attends through a
 ``PrefillPagedPlan`` (shuffled pages; a chunk starting at p > 0 is a chunked prefill on a cached prefix) — and
 returns our output per layer.
 
@@ -20,16 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kv_state import PagedKvState
 from ..semantics import key_visible, window_left_from_sliding_window
 
 PROBE_ROW_BLOCK = 128  # query rows per float64 block of the probe comparison
-
-
-def chunk_schedule(prompt_len: int, prefix_len: int) -> tuple:
-    """``(prompt_len,)`` for ``prefix_len == 0``, else ``(prefix_len, prompt_len - prefix_len)`` (chunked)."""
-    if not 0 <= prefix_len < prompt_len:
-        raise ValueError(f"prefix_len = {prefix_len} must be in [0, prompt_len = {prompt_len})")
-    return (prompt_len,) if prefix_len == 0 else (prefix_len, prompt_len - prefix_len)
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -40,8 +34,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 def _replay(layers: list, q: list, k: list, v: list, scale: list, window: list, *, chunks, page_size: int,
             backend: str, seed: int) -> list:
     """Replay per-layer ``q [L, Hq, D]``, ``k/v [L, Hkv, D]`` in ``chunks``; returns per layer ``[L, Hq, D]``."""
-    from ..hf.paged import PagedKvState
-
     state = PagedKvState(layers, page_size=page_size, backend=backend, seed=seed)
     state.reset(1)
     outs = [[] for _ in layers]

@@ -1,16 +1,16 @@
 """Device and dtype names as notebook parameters spell them, a summary of the environment a run used, and which
-backend actually ran (``observe_backends``: ``backend="auto"`` decides per call), with the CUDA launches' prefill
-kernel and K/V copy path."""
+backend actually ran (``observe_backends``, an observer of ``pagedwindow.api``'s dispatch: ``backend="auto"``
+decides per call), with the CUDA launches' prefill kernel and K/V copy path."""
 
 from __future__ import annotations
 
 import contextlib
 import platform
-import sys
 from collections import Counter
 
 import torch
 
+from .. import api
 from ..errors import PagedWindowError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -69,60 +69,49 @@ KERNEL_NAMES = {"wgmma": "sm_90a wgmma", "mma_sync": "mma.sync",  # how the repo
                 "pw_prefill_hd256_bf16_sm90": "sm_90a wgmma", "pw_prefill_hd256_bf16": "mma.sync"}  # launchers
 
 
-def _cuda_details(cuda_module, args) -> tuple[str, str]:
-    """The prefill kernel and K/V copy path of one CUDA launch ``(q, pool, geometry, plan, ...)``; ``"unknown"``
-    where they cannot be asked (under ``torch.compile``, or the query itself fails)."""
+def _cuda_details(pool, geometry, plan) -> tuple[str, str]:
+    """The prefill kernel and K/V copy path of one CUDA launch; ``"unknown"`` where they cannot be asked (under
+    ``torch.compile``, or the query itself fails)."""
     if torch.compiler.is_compiling():
         return "unknown", "unknown"
     try:
-        _, pool, geometry, plan = args[:4]
-        return (cuda_module.prefill_kernel(pool.device),
-                cuda_module.kv_copy_path(pool, geometry, plan.num_kv_heads))
+        from .. import cuda
+
+        return cuda.prefill_kernel(pool.device), cuda.kv_copy_path(pool, geometry, plan.num_kv_heads)
     except Exception:  # recording what ran must never break the run
         return "unknown", "unknown"
+
+
+_open_blocks = 0  # observe_backends blocks now open
 
 
 @contextlib.contextmanager
 def observe_backends():
     """Count, inside the block, the prefill launches each backend ran: yields a :class:`Launches` (a Counter
-    ``{"reference": n, "cuda": m}`` that also records each CUDA launch's kernel and K/V copy path). It watches
-    the backends' entry points (``pagedwindow.reference`` and, when loaded, ``pagedwindow.cuda``), so it reports
-    what actually ran under ``backend="auto"``. What it sees is also added to this process's record, which
-    :func:`environment` reports. Not thread-safe."""
-    from .. import reference
-
+    ``{"reference": n, "cuda": m}`` that also records each CUDA launch's kernel and K/V copy path). It registers an
+    observer with ``pagedwindow.api`` (``api.prefill_observers``), which tells it the backend each call chose, so
+    it reports what actually ran under ``backend="auto"``. What the outermost block sees is also added to this
+    process's record, which :func:`environment` reports (nested blocks count a launch there once). Not
+    thread-safe."""
+    global _open_blocks
     counts = Launches()
-    modules = {"reference": reference}
-    if "pagedwindow.cuda" in sys.modules or torch.cuda.is_available():
-        from .. import cuda
+    records = (counts,) if _open_blocks else (counts, _PROCESS_LAUNCHES)
 
-        modules["cuda"] = cuda
-    saved = {name: module.batch_prefill_paged_window for name, module in modules.items()}
+    def observe(backend, q, pool, geometry, plan):
+        details = _cuda_details(pool, geometry, plan) if backend == "cuda" else None
+        for record in records:
+            record[backend] += 1
+            if details is not None:
+                record.kernels[details[0]] += 1
+                record.kv_copy_paths[details[1]] += 1
 
-    def counting(name, fn):
-        # nested blocks: only the outermost adds to the process's record, so each launch counts there once
-        records = (counts,) if getattr(fn, "_observed", False) else (counts, _PROCESS_LAUNCHES)
-
-        def call(*args, **kwargs):
-            for record in records:
-                record[name] += 1
-            if name == "cuda":
-                kernel, path = _cuda_details(modules["cuda"], args)
-                for record in records:
-                    record.kernels[kernel] += 1
-                    record.kv_copy_paths[path] += 1
-            return fn(*args, **kwargs)
-
-        call._observed = True
-        return call
-
-    for name, module in modules.items():
-        module.batch_prefill_paged_window = counting(name, saved[name])
+    _open_blocks += 1
+    api.prefill_observers.append(observe)
     try:
         yield counts
     finally:
-        for name, module in modules.items():
-            module.batch_prefill_paged_window = saved[name]
+        api.prefill_observers.remove(observe)
+        _open_blocks -= 1
 
 
 def launch_record(launches: Launches | None = None) -> dict:

@@ -4,7 +4,7 @@ The gate is the oracle's: ``pagedwindow.hf.run_layer_case`` (ours vs HF eager pe
 same inputs as the floor, the dtype's calibrated rule from ``pagedwindow.hf.tolerance``). On top of it, for the
 plots, :func:`prefill_detail` captures the same prompt once more and keeps what the oracle reduces away: errors
 per head and per query row, histograms of every element's error, and the attention weights each layer used
-(:func:`pagedwindow.viz.paged_replay.probe_weights`). A weight on a key beyond the window's edge must be exactly 0;
+(:func:`pagedwindow.measure.paged_replay.probe_weights`). A weight on a key beyond the window's edge must be exactly 0;
 that is part of the gate too.
 """
 

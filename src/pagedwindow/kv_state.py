@@ -6,12 +6,17 @@ new q/k/v rows (concatenated in request order): the K/V are appended into the po
 ``pagedwindow.append_paged_kv`` and attention is read with ``pagedwindow.batch_prefill_paged_window`` through a
 ``PrefillPagedPlan`` whose ``start_i`` is what request i already holds. Positions therefore come from this state,
 never from whatever key tensor a caller happens to hold (HF's sliding layers hand over only the last W keys).
+It knows nothing of any model: ``pagedwindow.hf`` drives it from HF's attention calls, ``pagedwindow.measure``
+from captured q/k/v.
 
 Pages: one page table per request, shared by all layers (the pool layout holds every layer of a page). Layers are
 grouped by (num_kv_heads, head_dim) — Gemma 4's full layers may differ from its sliding ones — and each group has
 its own pool with the same page count, so one page id means the same slots in every group. Page ids are handed
 out from a seeded random permutation (shuffled, never contiguous by accident); when the pool runs out it grows
 (copying the old pages). Fresh pools are poisoned with NaN, so a read of a slot nobody wrote shows up as NaN.
+
+Chunk schedules, the one place they are checked: a request's prompt is fed in chunks (:func:`prompt_chunks`,
+:func:`prefix_chunks`), and step ``s`` feeds chunk ``s`` of every request that has one (:func:`chunk_steps`).
 """
 
 from __future__ import annotations
@@ -22,7 +27,41 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import PagedKvLayout, PagedWindowError, PrefillPagedPlan, append_paged_kv, batch_prefill_paged_window
+from .api import append_paged_kv, batch_prefill_paged_window
+from .errors import PagedWindowError
+from .layout import PagedKvLayout
+from .plan import PrefillPagedPlan
+
+
+def prompt_chunks(prompt_lens, chunks=None, *, what: str = "") -> tuple[tuple[int, ...], ...]:
+    """Per request, the chunk sizes its prompt is fed in, checked: one list per prompt, every chunk at least one
+    token, a prompt's chunks summing to its length. ``chunks=None`` feeds each prompt in one chunk. ``what``
+    (e.g. ``"case short: "``) starts the error's message."""
+    lens = [int(n) for n in prompt_lens]
+    if chunks is None:
+        return tuple((n,) for n in lens)
+    chunks = tuple(tuple(int(x) for x in c) for c in chunks)
+    if len(chunks) != len(lens):
+        raise PagedWindowError(f"{what}{len(chunks)} chunk lists for {len(lens)} prompts")
+    for n, c in zip(lens, chunks):
+        if sum(c) != n or any(x < 1 for x in c):
+            raise PagedWindowError(f"{what}chunks {c} do not split a prompt of {n} tokens")
+    return chunks
+
+
+def prefix_chunks(prompt_len: int, prefix_len: int) -> tuple[int, ...]:
+    """A prompt fed as a prefix then the rest on top of it: ``(prompt_len,)`` for ``prefix_len == 0``, else
+    ``(prefix_len, prompt_len - prefix_len)``; ``prefix_len`` must be in ``[0, prompt_len)``."""
+    if not 0 <= prefix_len < prompt_len:
+        raise PagedWindowError(f"prefix_len = {prefix_len} must be in [0, prompt_len = {prompt_len})")
+    return (prompt_len,) if prefix_len == 0 else (prefix_len, prompt_len - prefix_len)
+
+
+def chunk_steps(chunks) -> list[list[int]]:
+    """Per step, per request, its new tokens: step ``s`` feeds chunk ``s`` of every request that has one, 0 to
+    the others (``chunks`` as :func:`prompt_chunks` returns them)."""
+    steps = max((len(c) for c in chunks), default=0)
+    return [[c[s] if s < len(c) else 0 for c in chunks] for s in range(steps)]
 
 
 @dataclass(frozen=True)
@@ -100,9 +139,6 @@ class PagedKvState:
 
     def pool(self, layer: int) -> torch.Tensor | None:
         return self._group_of[layer].pool
-
-    def local_layer(self, layer: int) -> int:
-        return self._group_of[layer].local(layer)
 
     def reset(self, batch_size: int) -> None:
         """Forget every request; start ``batch_size`` empty ones (pages go back to the free list)."""

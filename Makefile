@@ -25,6 +25,7 @@ report: setup
 
 lint: setup
 	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/mypy
 	git ls-files '*.ipynb' | xargs -r $(VENV)/bin/nbstripout --verify
 
 test: lint

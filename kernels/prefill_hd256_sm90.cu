@@ -226,6 +226,8 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t lo) {
   return (static_cast<uint64_t>(kDescHi) << 32) | static_cast<uint64_t>(lo);
 }
 
+// The wgmma wrappers' operand lists are laid out by hand, eight accumulators a line.
+// clang-format off
 // D(64x64, fp32) = A(64x16, smem, K-major) * B(16x64, smem, K-major) (scale-d = 0: D is write-only, so the
 // old contents of d are dead for the compiler).
 __device__ __forceinline__ void wgmma_m64n64k16_ss_first(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
@@ -290,6 +292,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs_tb(float (&d)[128], uint32_t
         "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "n"(1));
 }
+// clang-format on
 
 
 // Tile geometry (uniform across the CTA; identical to prefill_hd256.cu). Computed once before the role split

@@ -91,10 +91,12 @@ static inline int pw_prefill_prepare(const PwPrefillLaunch* a, PwPrefillParams* 
   if (a->num_kv_heads > 65535 || a->num_qo_heads > (0x7fffffff / kPwPrefillHeadDim)) return PW_PREFILL_ERR_TOO_LARGE;
   if (!(a->sm_scale > 0.f) || !isfinite(a->sm_scale)) return PW_PREFILL_ERR_BAD_SCALE;
   if (a->window_left < -1) return PW_PREFILL_ERR_BAD_WINDOW;
+  // clang-format off: the alignment masks grouped by the bound they are tested against
   if (((reinterpret_cast<uintptr_t>(a->q) | reinterpret_cast<uintptr_t>(a->out) |
         reinterpret_cast<uintptr_t>(a->pool)) & 15u) != 0 ||
       (reinterpret_cast<uintptr_t>(a->lse) & 3u) != 0 || ((a->k_offset | a->v_offset | a->page_stride) & 7) != 0)
     return PW_PREFILL_ERR_MISALIGNED;
+  // clang-format on
   if (a->cta_tile_q != 16 && a->cta_tile_q != 64 && a->cta_tile_q != 128) return PW_PREFILL_ERR_UNSUPPORTED_TILE;
 
   p->q = static_cast<const __nv_bfloat16*>(a->q);

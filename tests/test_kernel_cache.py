@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import pagedwindow
-from pagedwindow import cuda
+from pagedwindow import cuda, settings
 from pagedwindow.cuda import build, ops
 from pagedwindow.cuda.build import BuildError
 
@@ -395,7 +395,7 @@ def test_a_built_wheel_ships_the_kernels_and_compiles_them(tmp_path):
     assert Path(found[0]).is_relative_to(site), f"the subprocess imported {found[0]}, not the installed wheel"
     assert found[1] and all(Path(p).is_relative_to(site / "pagedwindow" / "kernels") for p in found[1]), found[1]
 
-    if shutil.which("nvcc") is None and not os.environ.get("PAGEDWINDOW_NVCC"):
+    if shutil.which("nvcc") is None and settings.nvcc() is None:
         pytest.skip("nvcc is not installed: the installed sources resolve, but compiling them needs nvcc")
     resources = installed("import json; from pagedwindow.cuda.build import compile_for_targets; "
                           "r, report = compile_for_targets(['sm_80']); "

@@ -34,13 +34,15 @@ from typing import TypeVar
 
 from filelock import FileLock
 
+from .. import settings
+
 PACKAGE_KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 """Where a (non-editable) install puts the sources: ``pagedwindow/kernels/``, package data of the wheel."""
 REPO_KERNELS_DIR = Path(__file__).resolve().parents[3] / "kernels"
 """The repository's ``kernels/``, the one copy of the sources (an editable install reads it directly)."""
 SOURCES = ("prefill_hd256.cu", "prefill_hd256_sm90.cu", "append_paged_kv.cu", "plan_pack.cpp")
 BASE_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", "-Xptxas=-v,--warn-on-spills")
-NVCC_ENVIRONMENT = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN")
+NVCC_ENVIRONMENT = tuple(s.name for s in settings.NVCC_VARIABLES)
 """Environment variables nvcc itself reads; they change what it builds, so they are part of the cache key."""
 CI_TARGETS = ("sm_80", "sm_89", "sm_90a")
 LIBRARY_STEM = "libpagedwindow_kernels"
@@ -68,13 +70,11 @@ def target_for_capability(major: int, minor: int) -> str:
 def nvcc_flags() -> list[str]:
     """The flags of every build, read now: ``BASE_FLAGS`` then ``$PAGEDWINDOW_NVCC_FLAGS`` (e.g. a kernel
     variant's -D for a benchmark)."""
-    return [*BASE_FLAGS, *shlex.split(os.environ.get("PAGEDWINDOW_NVCC_FLAGS", ""))]
+    return [*BASE_FLAGS, *settings.nvcc_flags()]
 
 
 def find_nvcc() -> str:
-    candidates = [os.environ.get("PAGEDWINDOW_NVCC"), shutil.which("nvcc")]
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    candidates.append(str(Path(cuda_home) / "bin" / "nvcc"))
+    candidates = [settings.nvcc(), shutil.which("nvcc"), str(settings.cuda_home() / "bin" / "nvcc")]
     for c in candidates:
         if c and Path(c).is_file() and os.access(c, os.X_OK):
             return c
@@ -91,9 +91,9 @@ def nvcc_version(nvcc: str) -> str:
 def kernels_dir() -> Path:
     """The directory the sources are read from: ``$PAGEDWINDOW_KERNELS_DIR``, else the installed package's
     ``kernels/``, else the repository's."""
-    override = os.environ.get("PAGEDWINDOW_KERNELS_DIR")
-    if override:
-        return Path(override)
+    override = settings.kernels_dir()
+    if override is not None:
+        return override
     for directory in (PACKAGE_KERNELS_DIR, REPO_KERNELS_DIR):
         if all((directory / name).is_file() for name in SOURCES):
             return directory
@@ -112,7 +112,7 @@ def source_paths() -> list[Path]:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("PAGEDWINDOW_CACHE_DIR", Path.home() / ".cache" / "pagedwindow"))
+    return settings.cache_dir()
 
 
 def _sha256(path: Path) -> str:
@@ -129,7 +129,7 @@ def build_inputs(target: str, nvcc: str) -> dict:
     files = sorted([*directory.glob("*.cu"), *directory.glob("*.cuh"), *directory.glob("*.cpp")])  # every source
     return {"format": CACHE_FORMAT, "target": target, "nvcc": str(Path(nvcc).resolve()),
             "nvcc_version": nvcc_version(nvcc), "flags": nvcc_flags(),
-            "environment": {name: os.environ.get(name) for name in NVCC_ENVIRONMENT},
+            "environment": settings.nvcc_environment(),
             "files": {p.name: _sha256(p) for p in files}}
 
 

@@ -5,6 +5,8 @@ wrappers, the window conversion and the one error family. ``pagedwindow.referenc
 (the CPU backend); ``pagedwindow.cuda`` holds our kernels; ``pagedwindow.hf`` the Hugging Face Gemma oracle.
 """
 
+import logging
+
 from .api import append_paged_kv, batch_prefill_paged_window
 from .errors import PagedWindowError
 from .layout import PagedGeometry, PagedKvLayout, checked_paged_geometry
@@ -23,3 +25,7 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+# Kernel builds, the kernel cache and backend fallbacks log to "pagedwindow.*" loggers; silent unless the
+# application configures logging (README: "Logs").
+logging.getLogger(__name__).addHandler(logging.NullHandler())

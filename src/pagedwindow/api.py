@@ -16,6 +16,7 @@ computed once per plan update (the kernels' parameter block).
 
 from __future__ import annotations
 
+import logging
 import warnings
 from types import ModuleType
 
@@ -42,6 +43,7 @@ def _cuda_backend():
 
 
 _fallbacks_warned: set[str] = set()
+_log = logging.getLogger(__name__)
 
 
 def _resolve_backend(what: str, backend: str, plan: PrefillPagedPlan, first: torch.Tensor,
@@ -63,6 +65,9 @@ def _resolve_backend(what: str, backend: str, plan: PrefillPagedPlan, first: tor
             _fallbacks_warned.add(reason)
             warnings.warn(f"{what}: backend 'auto' runs the PyTorch reference on {device}: {reason}",
                           RuntimeWarning, stacklevel=3)
+            _log.warning("%s: backend 'auto' runs the PyTorch reference on %s: %s", what, device, reason)
+        else:
+            _log.debug("%s: backend 'auto' runs the PyTorch reference on %s: %s", what, device, reason)
         return "reference"
     if device.type != "cuda":
         raise PagedWindowError(f"{what}: backend 'cuda' needs tensors on a CUDA device, got {device}")

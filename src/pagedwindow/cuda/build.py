@@ -14,18 +14,24 @@ manifest there and publishes the directory with an atomic rename. A cached libra
 matches (size and sha256); anything else (truncated, modified, foreign, no manifest, no library, a killed build's
 staging directory) is rebuilt. The library's name carries its hash, so a rebuilt library never aliases one this
 process has already ``dlopen``-ed. ``$PAGEDWINDOW_NVCC`` names the compiler.
+
+The logger ``pagedwindow.cuda.build`` records each build (its start, and its end with the seconds it took, or
+its failure), cache hits (DEBUG) and misses, and every entry healed: one that does not match its manifest, one
+that does not load, a killed build's staging directory.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -50,6 +56,7 @@ MANIFEST = "manifest.json"
 CACHE_FORMAT = 2  # bump when the cache layout changes: every key changes with it
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
 
 
 class BuildError(RuntimeError):
@@ -227,20 +234,36 @@ def build_shared_library(target: str, *, discard: Path | None = None) -> Path:
     final = root / f"{target}-{key}"
     library = verified_library(final, key)
     if library is not None and library != discard:
+        _log.debug("kernel cache hit: %s", library)
         return library
+    if library is not None:
+        _log.info("kernel cache: discarding %s, which failed to load", library)
+    elif final.exists():
+        _log.warning("kernel cache: %s does not match its manifest (truncated, modified or incomplete); "
+                     "rebuilding it", final)
+    else:
+        _log.info("kernel cache miss: no %s in %s", final.name, root)
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / f"{target}-{key}.lock")):
         library = verified_library(final, key)
         if library is not None and library != discard:  # another process built it while we waited
+            _log.info("kernel cache hit after waiting for another process's build: %s", library)
             return library
         for leftover in root.glob(f".{target}-{key}-*"):  # a killed build's: no one else builds this key now
+            _log.info("kernel cache: removing %s, left by a build that did not finish", leftover)
             _remove(leftover)
         staging = Path(tempfile.mkdtemp(prefix=f".{target}-{key}-", dir=root))
+        _log.info("building the kernels for %s with %s", target, nvcc)
+        started = time.perf_counter()
         try:
             library = _compile(nvcc, target, staging, key, inputs)
             _publish(staging, final)
+        except Exception:
+            _log.warning("kernel build for %s failed after %.1f s", target, time.perf_counter() - started)
+            raise
         finally:
             _remove(staging)  # already gone after a publish
+    _log.info("built the kernels for %s in %.1f s: %s", target, time.perf_counter() - started, final / library.name)
     return final / library.name
 
 
@@ -251,6 +274,7 @@ def load_verified(target: str, loader: Callable[[Path], T]) -> T:
     try:
         return loader(library)
     except (OSError, AttributeError) as first:
+        _log.warning("kernel cache: %s does not load (%s); rebuilding it once", library, first)
         rebuilt = build_shared_library(target, discard=library)
         try:
             return loader(rebuilt)

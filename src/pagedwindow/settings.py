@@ -3,7 +3,8 @@
 Each setting is read from ``os.environ`` when its accessor is called, never cached at import: a process (or a
 test's ``monkeypatch``) may change it at any time and the next read sees the change. Modules read the
 environment only through this module; the report sets some of these variables for the notebooks it runs, by
-their names here. The README's "Settings" table lists the same variables (a test keeps the two in step).
+their names here. The README's table under "Settings and logs" lists the same variables (a test keeps the two
+in step).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PARAMS ?= default
 REPORT_DIR ?= reports/$(PARAMS)
 
-.PHONY: setup report test lint clean
+.PHONY: setup report test lint format clean
 
 setup: $(VENV)/.installed
 
@@ -23,9 +23,19 @@ $(VENV)/.installed: pyproject.toml
 report: setup
 	$(VENV)/bin/pagedwindow report --params $(PARAMS) --out $(REPORT_DIR)
 
+# `make format` applies both formatters; `make lint` checks that nothing is left for them to do.
+KERNEL_SOURCES = $(wildcard kernels/*.cu kernels/*.cuh kernels/*.cpp)
+
 lint: setup
 	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/mypy
+	$(VENV)/bin/clang-format --dry-run -Werror $(KERNEL_SOURCES)
 	git ls-files '*.ipynb' | xargs -r $(VENV)/bin/nbstripout --verify
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+format: setup
+	$(VENV)/bin/ruff format src tests benchmarks
+	$(VENV)/bin/clang-format -i $(KERNEL_SOURCES)
 
 test: lint
 	$(PY) -m pytest -q

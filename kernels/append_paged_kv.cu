@@ -59,7 +59,8 @@ __global__ void __launch_bounds__(kThreads) pw_append_paged_kv_kernel(const Para
   int lo = 0, hi = batch;
   while (hi - lo > 1) {
     const int mid = (lo + hi) >> 1;
-    if (p.qo_indptr[mid] <= t) lo = mid; else hi = mid;
+    if (p.qo_indptr[mid] <= t) lo = mid;
+    else hi = mid;
   }
   const int r = lo;
   const int q_begin = p.qo_indptr[r];
@@ -99,22 +100,22 @@ static int launch(const Params& p, cudaStream_t stream) {
 // The launch parameter block (mirrored by a ctypes.Structure in src/pagedwindow/cuda/ops.py; the host checks
 // sizeof against pw_append_launch_size()). Pointers are device addresses; offsets and strides in elements.
 struct PwAppendLaunch {
-  const void* k;             // [rows, num_kv_heads, head_dim]
-  const void* v;             // [rows, num_kv_heads, head_dim]
-  void* pool;                // the paged KV pool (same dtype)
+  const void* k;  // [rows, num_kv_heads, head_dim]
+  const void* v;  // [rows, num_kv_heads, head_dim]
+  void* pool;     // the paged KV pool (same dtype)
   long long k_offset;
   long long v_offset;
   long long page_stride;
-  const int* page_indices;   // plan arrays (int32, device)
+  const int* page_indices;  // plan arrays (int32, device)
   const int* page_indptr;
   const int* last_page_len;
   const int* qo_indptr;
-  const int* plan_scalars;   // {batch_size, total_tokens, num_tiles}
+  const int* plan_scalars;  // {batch_size, total_tokens, num_tiles}
   int page_size;
   int num_kv_heads;
   int head_dim;
-  int elem_bytes;            // 2 (bf16/fp16) or 4 (fp32)
-  int batch_capacity;        // the plan's capacities (the live sizes are read from plan_scalars)
+  int elem_bytes;      // 2 (bf16/fp16) or 4 (fp32)
+  int batch_capacity;  // the plan's capacities (the live sizes are read from plan_scalars)
   int token_capacity;
 };
 
@@ -134,8 +135,7 @@ extern "C" int pw_append_paged_kv(const PwAppendLaunch* a, void* stream) {
       last_page_len == nullptr || qo_indptr == nullptr || plan_scalars == nullptr)
     return PW_APPEND_ERR_NULL_POINTER;
   if (elem_bytes != 2 && elem_bytes != 4) return PW_APPEND_ERR_BAD_ELEM_BYTES;
-  if (page_size < 1 || num_kv_heads < 1 || head_dim < 1 || page_stride < 1 || batch_capacity < 0 ||
-      token_capacity < 0)
+  if (page_size < 1 || num_kv_heads < 1 || head_dim < 1 || page_stride < 1 || batch_capacity < 0 || token_capacity < 0)
     return PW_APPEND_ERR_NONPOSITIVE_SIZE;
   if (k_offset < 0 || v_offset < 0) return PW_APPEND_ERR_NEGATIVE_OFFSET;
   const long long row_bytes = static_cast<long long>(num_kv_heads) * head_dim * elem_bytes;
@@ -162,12 +162,10 @@ extern "C" int pw_append_paged_kv(const PwAppendLaunch* a, void* stream) {
   p.token_capacity = token_capacity;
 
   // Widest vector that divides every address, offset and stride the copy touches.
-  const unsigned long long bits = reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v) |
-                                  reinterpret_cast<uintptr_t>(pool) |
-                                  static_cast<unsigned long long>(p.k_offset_bytes) |
-                                  static_cast<unsigned long long>(p.v_offset_bytes) |
-                                  static_cast<unsigned long long>(p.page_stride_bytes) |
-                                  static_cast<unsigned long long>(row_bytes);
+  const unsigned long long bits =
+      reinterpret_cast<uintptr_t>(k) | reinterpret_cast<uintptr_t>(v) | reinterpret_cast<uintptr_t>(pool) |
+      static_cast<unsigned long long>(p.k_offset_bytes) | static_cast<unsigned long long>(p.v_offset_bytes) |
+      static_cast<unsigned long long>(p.page_stride_bytes) | static_cast<unsigned long long>(row_bytes);
   if ((bits & static_cast<unsigned long long>(elem_bytes - 1)) != 0) return PW_APPEND_ERR_MISALIGNED;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if ((bits & 15u) == 0) return launch<uint4>(p, s);
@@ -189,7 +187,6 @@ extern "C" const char* pw_append_paged_kv_error_string(int code) {
     case PW_APPEND_ERR_BAD_ELEM_BYTES: return "elem_bytes is not 2 or 4";
     case PW_APPEND_ERR_NEGATIVE_OFFSET: return "k_offset or v_offset < 0";
     case PW_APPEND_ERR_TOO_LARGE: return "num_kv_heads * head_dim * elem_bytes past int32, or an offset too large";
-    default:
-      return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown pagedwindow status";
+    default: return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown pagedwindow status";
   }
 }

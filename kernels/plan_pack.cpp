@@ -80,8 +80,7 @@ int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int 
     if (l > max_last) max_last = l;
   }
   const int64_t total_tokens = qo[batch], total_pages = kv[batch];
-  if (total_pages > num_indices || total_tokens * group > kInt32Max || num_tiles > kInt32Max)
-    return PW_PACK_INVALID;
+  if (total_pages > num_indices || total_tokens * group > kInt32Max || num_tiles > kInt32Max) return PW_PACK_INVALID;
   const int64_t o_page_indptr = 3, o_last = o_page_indptr + batch + 1, o_qo = o_last + batch,
                 o_request = o_qo + batch + 1, o_qo_tile = o_request + num_tiles, o_pages = o_qo_tile + num_tiles;
   if (o_pages + total_pages > packed_capacity) return PW_PACK_TOO_SMALL;

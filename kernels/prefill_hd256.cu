@@ -52,9 +52,9 @@ namespace pw_prefill {
 using namespace pw_ptx;
 
 constexpr int kHeadDim = kPwPrefillHeadDim;
-constexpr int kKvTile = 64;                   // keys per KV tile
-constexpr int kRowBytes = kHeadDim * 2;       // 512 bytes per bf16 row
-constexpr int kChunksPerRow = kRowBytes / 16; // 32 sixteen-byte chunks: one warp copies one row per step
+constexpr int kKvTile = 64;                    // keys per KV tile
+constexpr int kRowBytes = kHeadDim * 2;        // 512 bytes per bf16 row
+constexpr int kChunksPerRow = kRowBytes / 16;  // 32 sixteen-byte chunks: one warp copies one row per step
 static_assert(kChunksPerRow == 32, "the loaders map one lane to one 16-byte chunk of a row");
 
 using Params = PwPrefillParams;
@@ -74,8 +74,7 @@ __device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
 }
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
-                                              uint32_t addr) {
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
                : "r"(addr));
@@ -92,8 +91,6 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint3
 }
 
 
-
-
 // ------------------------------------------------------------------------------------------- KV tile loader
 // Warp w copies rows w, w + kWarps, w + 2*kWarps, ... of a 64-key tile; lane l copies chunk l of each row.
 // The per-row element offset inside the pool (page * page_stride + (slot * Hkv + kv_head) * 256, or -1 when
@@ -104,8 +101,8 @@ struct KvRows {
   static constexpr int kRegs = (kRowsPerWarp + 31) / 32;
   long long off[kRegs];
 
-  __device__ __forceinline__ void compute(const Params& p, int kb, int kv_lo, int kv_hi, int page_base,
-                                          int kv_head, int warp, int lane) {
+  __device__ __forceinline__ void compute(const Params& p, int kb, int kv_lo, int kv_hi, int page_base, int kv_head,
+                                          int warp, int lane) {
 #pragma unroll
     for (int o = 0; o < kRegs; ++o) {
       const int it = lane + 32 * o;
@@ -123,8 +120,7 @@ struct KvRows {
   }
 
   // Issue the cp.async copies of one 64 x 256 tile (K when base == k_offset, V when base == v_offset).
-  __device__ __forceinline__ void issue(const Params& p, uint32_t s_tile, long long base, int warp,
-                                        int lane) const {
+  __device__ __forceinline__ void issue(const Params& p, uint32_t s_tile, long long base, int warp, int lane) const {
     constexpr int kInner = kRowsPerWarp < 32 ? kRowsPerWarp : 32;
     const __nv_bfloat16* pool_lane = p.pool + base + lane * 8;
 #pragma unroll
@@ -134,8 +130,7 @@ struct KvRows {
         const long long row_off = __shfl_sync(0xffffffffu, off[o], i);
         const int r = warp + (32 * o + i) * kWarps;
         const bool valid = row_off >= 0;
-        const void* src =
-            valid ? static_cast<const void*>(pool_lane + row_off) : static_cast<const void*>(p.pool);
+        const void* src = valid ? static_cast<const void*>(pool_lane + row_off) : static_cast<const void*>(p.pool);
         cp_async_16(s_tile + swz(r, lane), src, valid ? 16 : 0);
       }
     }
@@ -144,8 +139,7 @@ struct KvRows {
 
 // ------------------------------------------------------------------------------------------------ the kernel
 template <int kWarps, int kStages>
-__global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1))
-    pw_prefill_hd256_kernel(const Params p) {
+__global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill_hd256_kernel(const Params p) {
   constexpr int kCtaQ = 16 * kWarps;
   constexpr uint32_t kQBytes = kCtaQ * kRowBytes;
   constexpr uint32_t kKvBytes = kKvTile * kRowBytes;  // 32 KB
@@ -168,10 +162,10 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1))
   const int num_pages = p.page_indptr[req + 1] - page_base;
   const int kv_len = (num_pages - 1) * p.page_size + p.last_page_len[req];
   const int group = p.group;
-  const int row0 = qtile * kCtaQ;                           // first packed row of this tile
-  const int rows_valid = min(kCtaQ, seq * group - row0);    // packed rows this tile owns
+  const int row0 = qtile * kCtaQ;                         // first packed row of this tile
+  const int rows_valid = min(kCtaQ, seq * group - row0);  // packed rows this tile owns
   if (rows_valid <= 0) return;
-  const int q_shift = kv_len - seq;                         // q_pos = q_shift + token
+  const int q_shift = kv_len - seq;  // q_pos = q_shift + token
   const int wl = p.window_left;
   const int qpos_first = q_shift + row0 / group;
   const int qpos_last = q_shift + (row0 + rows_valid - 1) / group;
@@ -209,8 +203,8 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1))
   cp_async_commit();
 
   // ---- per-lane fragment addressing (see README: ldmatrix lane -> row/chunk maps)
-  const int g = lane >> 2;   // accumulator row within the warp's 16 rows (and g + 8)
-  const int c4 = lane & 3;   // accumulator column pair
+  const int g = lane >> 2;  // accumulator row within the warp's 16 rows (and g + 8)
+  const int c4 = lane & 3;  // accumulator column pair
   const int l7 = lane & 7;
   const int b3 = (lane >> 3) & 1;
   const int b4 = (lane >> 4) & 1;
@@ -236,7 +230,10 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1))
   float o[32][4];
 #pragma unroll
   for (int n = 0; n < 32; ++n) {
-    o[n][0] = 0.f; o[n][1] = 0.f; o[n][2] = 0.f; o[n][3] = 0.f;
+    o[n][0] = 0.f;
+    o[n][1] = 0.f;
+    o[n][2] = 0.f;
+    o[n][3] = 0.f;
   }
   float m0 = kNegInf, m1 = kNegInf;  // running max of scaled (log2-domain) logits
   float l0 = 0.f, l1 = 0.f;          // this thread's partial row sums (quad-reduced at the end)
@@ -265,7 +262,10 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1))
     float s[8][4];
 #pragma unroll
     for (int n = 0; n < 8; ++n) {
-      s[n][0] = 0.f; s[n][1] = 0.f; s[n][2] = 0.f; s[n][3] = 0.f;
+      s[n][0] = 0.f;
+      s[n][1] = 0.f;
+      s[n][2] = 0.f;
+      s[n][3] = 0.f;
     }
 #pragma unroll
     for (int kk = 0; kk < 16; ++kk) {
@@ -288,8 +288,10 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1))
     pw_softmax::softmax_step(at, sl2, m0, m1, l0, l1, alpha0, alpha1);
 #pragma unroll
     for (int n = 0; n < 32; ++n) {
-      o[n][0] *= alpha0; o[n][1] *= alpha0;
-      o[n][2] *= alpha1; o[n][3] *= alpha1;
+      o[n][0] *= alpha0;
+      o[n][1] *= alpha0;
+      o[n][2] *= alpha1;
+      o[n][3] *= alpha1;
     }
     // P as A fragments: k-step ks covers keys 16*ks .. 16*ks + 15 = S n-tiles 2ks (cols 0-7), 2ks+1 (8-15).
     uint32_t pf[4][4];
@@ -394,8 +396,8 @@ static int ensure_smem(int device) {
   cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (e != cudaSuccess) return static_cast<int>(e);
   if (optin < bytes) return PW_PREFILL_ERR_SMEM_UNAVAILABLE;
-  e = cudaFuncSetAttribute(pw_prefill_hd256_kernel<kWarps, kStages>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  e = cudaFuncSetAttribute(pw_prefill_hd256_kernel<kWarps, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           bytes);
   if (e != cudaSuccess) return static_cast<int>(e);
   if (device >= 0 && device < kMaxDevices) done[device].store(1, std::memory_order_release);
   return 0;
@@ -432,8 +434,7 @@ static int launch(const Params& p, int grid_tiles, int device, cudaStream_t stre
   const int rc = ensure_smem<kWarps, kStages>(device);
   if (rc != 0) return rc;
   const dim3 grid(static_cast<unsigned>(grid_tiles), static_cast<unsigned>(p.num_kv_heads), 1);
-  pw_prefill_hd256_kernel<kWarps, kStages>
-      <<<grid, kWarps * 32, smem_bytes<kWarps, kStages>(), stream>>>(p);
+  pw_prefill_hd256_kernel<kWarps, kStages><<<grid, kWarps * 32, smem_bytes<kWarps, kStages>(), stream>>>(p);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -454,8 +455,7 @@ extern "C" int pw_prefill_hd256_bf16(const PwPrefillLaunch* a, void* stream) {
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return static_cast<int>(e);
   switch (a->cta_tile_q) {
-    case 16:
-      return launch<1, 1>(p, grid_tiles, device, s);
+    case 16: return launch<1, 1>(p, grid_tiles, device, s);
     case 64: {
       int stages = 1;
       const int rc = stages_for_device(device, &stages);

@@ -73,8 +73,8 @@ namespace pw_prefill_sm90 {
 using namespace pw_ptx;
 
 
-constexpr int kKvTile = 64;                        // keys per KV tile
-constexpr uint32_t kKvBytes = kKvTile * 512;       // one K or V tile: 32 KB
+constexpr int kKvTile = 64;                   // keys per KV tile
+constexpr uint32_t kKvBytes = kKvTile * 512;  // one K or V tile: 32 KB
 constexpr int kProducerThreads = 128;
 
 
@@ -88,8 +88,8 @@ struct Cfg {
   static_assert(kWG == 1 || kWG == 2, "one or two consumer warpgroups");
   static_assert(kCtaQ >= 1 && kCtaQ <= 64 * kWG, "the consumer warpgroups must cover the tile");
   static constexpr int kThreads = kProducerThreads + 128 * kWG;
-  static constexpr int kRowsQ = 64 * kWG;                // Q rows held in shared memory
-  static constexpr uint32_t kQBlockBytes = kRowsQ * 128; // one 64-column block of Q
+  static constexpr int kRowsQ = 64 * kWG;                 // Q rows held in shared memory
+  static constexpr uint32_t kQBlockBytes = kRowsQ * 128;  // one 64-column block of Q
   static constexpr uint32_t kQBytes = kRowsQ * 512;
   // + 1 KB alignment pad
   static constexpr uint32_t kSmemBytes = 1024 + kQBytes + 2u * kStages * kKvBytes;
@@ -141,11 +141,10 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 // One probe: has the phase with parity `parity` completed? (acquire, CTA scope)
 __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
-  asm volatile(
-      "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-      : "=r"(done)
-      : "r"(bar), "r"(parity)
-      : "memory");
+  asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+               : "=r"(done)
+               : "r"(bar), "r"(parity)
+               : "memory");
   return done != 0;
 }
 // Upper 32 bits of the global nanosecond timer (one tick = 2^32 ns = 4.29 s).
@@ -181,9 +180,7 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 }
 
 // Make data written through the generic proxy (cp.async) visible to the async proxy (wgmma operand reads).
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 __device__ __forceinline__ void named_bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -226,6 +223,8 @@ __device__ __forceinline__ uint64_t make_desc(uint32_t lo) {
   return (static_cast<uint64_t>(kDescHi) << 32) | static_cast<uint64_t>(lo);
 }
 
+// The wgmma wrappers' operand lists are laid out by hand, eight accumulators a line.
+// clang-format off
 // D(64x64, fp32) = A(64x16, smem, K-major) * B(16x64, smem, K-major) (scale-d = 0: D is write-only, so the
 // old contents of d are dead for the compiler).
 __device__ __forceinline__ void wgmma_m64n64k16_ss_first(float (&d)[32], uint64_t desc_a, uint64_t desc_b) {
@@ -290,6 +289,7 @@ __device__ __forceinline__ void wgmma_m64n256k16_rs_tb(float (&d)[128], uint32_t
         "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "n"(1));
 }
+// clang-format on
 
 
 // Tile geometry (uniform across the CTA; identical to prefill_hd256.cu). Computed once before the role split
@@ -307,13 +307,13 @@ __device__ __forceinline__ Geo tile_geometry(const Params& p, int tile) {
   t.page_base = p.page_indptr[req];
   const int num_pages = p.page_indptr[req + 1] - t.page_base;
   t.kv_len = (num_pages - 1) * p.page_size + p.last_page_len[req];
-  t.row0 = qtile * kCtaQ;                                   // first packed row of this tile
-  t.rows_valid = min(kCtaQ, seq * p.group - t.row0);       // packed rows this tile owns
-  t.q_shift = t.kv_len - seq;                               // q_pos = q_shift + token
+  t.row0 = qtile * kCtaQ;                             // first packed row of this tile
+  t.rows_valid = min(kCtaQ, seq * p.group - t.row0);  // packed rows this tile owns
+  t.q_shift = t.kv_len - seq;                         // q_pos = q_shift + token
   const int qpos_first = t.q_shift + t.row0 / p.group;
   const int qpos_last = t.q_shift + (t.row0 + max(t.rows_valid, 1) - 1) / p.group;
   t.kv_lo = (p.window_left >= 0) ? max(qpos_first - p.window_left, 0) : 0;  // first key any row can see
-  t.kv_hi = min(qpos_last + 1, t.kv_len);                                     // one past the last one
+  t.kv_hi = min(qpos_last + 1, t.kv_len);                                   // one past the last one
   t.kv_start = (t.kv_lo / kKvTile) * kKvTile;
   t.n_tiles = (t.kv_hi > t.kv_start) ? (t.kv_hi - t.kv_start + kKvTile - 1) / kKvTile : 0;
   return t;
@@ -360,8 +360,8 @@ __device__ __forceinline__ void issue_kv_rows(uint32_t s_tile, const __nv_bfloat
 // Producer, Q tile (all four warps; rows past rows_valid zero-filled): warp w copies rows w, w+4, ...; row r ->
 // (token, head in group) walked by 4; lane = 16-byte chunk. Arrives on q_full once its copies have landed.
 template <int kCtaQ, int kWG>
-__device__ __forceinline__ void load_q(const Params& p, const Smem<kCtaQ, kWG>& sm, const Geo& t, int kv_head,
-                                       int warp, int lane) {
+__device__ __forceinline__ void load_q(const Params& p, const Smem<kCtaQ, kWG>& sm, const Geo& t, int kv_head, int warp,
+                                       int lane) {
   using C = Cfg<kCtaQ, kWG>;
   const int grp = p.group;
   const int pr0 = t.row0 + warp;
@@ -560,8 +560,8 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
   const int cw = (threadIdx.x >> 7) - 1;
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
-  const int g = lane >> 2;   // accumulator row within the warp's 16 rows (and g + 8)
-  const int c4 = lane & 3;   // accumulator column pair
+  const int g = lane >> 2;  // accumulator row within the warp's 16 rows (and g + 8)
+  const int c4 = lane & 3;  // accumulator column pair
   const int group = p.group;
   const int wl = p.window_left;
   const int lrow0 = 64 * cw + 16 * warp + g;  // this thread's rows: lrow0 (index 0) and lrow0 + 8 (index 1)
@@ -582,7 +582,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
   float o[128];
 #pragma unroll
   for (int i = 0; i < 128; ++i) o[i] = 0.f;
-  float s[32];  // written by the first S wgmma of every tile (scale-d = 0)
+  float s[32];                       // written by the first S wgmma of every tile (scale-d = 0)
   float m0 = kNegInf, m1 = kNegInf;  // running max of scaled (log2-domain) logits
   float l0 = 0.f, l1 = 0.f;          // this thread's partial row sums (quad-reduced at the end)
 
@@ -636,8 +636,10 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
   auto rescale_o = [&](float alpha0, float alpha1) {
 #pragma unroll
     for (int n = 0; n < 32; ++n) {
-      o[4 * n + 0] *= alpha0; o[4 * n + 1] *= alpha0;
-      o[4 * n + 2] *= alpha1; o[4 * n + 3] *= alpha1;
+      o[4 * n + 0] *= alpha0;
+      o[4 * n + 1] *= alpha0;
+      o[4 * n + 2] *= alpha1;
+      o[4 * n + 3] *= alpha1;
     }
   };
   auto release = [&](uint32_t bar) {
@@ -708,7 +710,10 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
       for (int i = 0; i < 128; ++i) reg_fence(o[i]);
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
-        reg_fence_u32(pf[ks][0]); reg_fence_u32(pf[ks][1]); reg_fence_u32(pf[ks][2]); reg_fence_u32(pf[ks][3]);
+        reg_fence_u32(pf[ks][0]);
+        reg_fence_u32(pf[ks][1]);
+        reg_fence_u32(pf[ks][2]);
+        reg_fence_u32(pf[ks][3]);
       }
       release(sm.empty_v(stage_of(j)));
       rescale_o(alpha0, alpha1);
@@ -799,7 +804,7 @@ __global__ void __launch_bounds__(Cfg<kCtaQ, kWG>::kThreads, Cfg<kCtaQ, kWG>::kM
   __shared__ __align__(8) unsigned long long bars[C::kNumBarriers];
   extern __shared__ __align__(16) unsigned char smem[];  // base rounded up to 1024 B at run time
 
-  if (static_cast<int>(blockIdx.x) >= p.plan_scalars[2]) return;  // grid x is a capacity
+  if (static_cast<int>(blockIdx.x) >= p.plan_scalars[2]) return;    // grid x is a capacity
   if (tile_geometry<kCtaQ>(p, blockIdx.x).rows_valid <= 0) return;  // uniform across the CTA
 
   const Smem<kCtaQ, kWG> sm(smem, bars);
@@ -877,8 +882,8 @@ static int ensure_smem(int device) {
   if (e != cudaSuccess) return static_cast<int>(e);
   // The static barriers (< 128 B) come on top of the dynamic bytes.
   if (optin < bytes + 128) return PW_PREFILL_ERR_SMEM_UNAVAILABLE;
-  e = cudaFuncSetAttribute(pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, kTma>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  e = cudaFuncSetAttribute(pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, kTma>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           bytes);
   if (e != cudaSuccess) return static_cast<int>(e);
   if (device >= 0 && device < kMaxDevices) done[device].store(1, std::memory_order_release);
   return 0;
@@ -1005,10 +1010,8 @@ extern "C" int pw_prefill_hd256_bf16_sm90(const PwPrefillLaunch* a, void* stream
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return static_cast<int>(e);
   switch (a->cta_tile_q) {
-    case 16:
-      return launch<16, 1>(p, grid_tiles, device, s);
-    case 64:
-      return launch<64, 1>(p, grid_tiles, device, s);
+    case 16: return launch<16, 1>(p, grid_tiles, device, s);
+    case 64: return launch<64, 1>(p, grid_tiles, device, s);
     default:  // 128
       return launch<128, 2>(p, grid_tiles, device, s);
   }

@@ -11,18 +11,18 @@
 // Negative: an argument error found before any launch (nothing is written); positive: a cudaError_t.
 enum PwPrefillStatus {
   PW_PREFILL_OK = 0,
-  PW_PREFILL_ERR_NULL_POINTER = -1,      // a required pointer is NULL (lse may be NULL)
-  PW_PREFILL_ERR_NONPOSITIVE_SIZE = -2,  // page_size, num_qo_heads, num_kv_heads, page_stride < 1 or grid_tiles < 0
-  PW_PREFILL_ERR_HEAD_RATIO = -3,        // num_qo_heads % num_kv_heads != 0
-  PW_PREFILL_ERR_UNSUPPORTED_TILE = -4,  // cta_tile_q not in {16, 64, 128}
-  PW_PREFILL_ERR_MISALIGNED = -5,        // q/out/pool not 16-byte aligned, lse not 4-byte aligned,
-                                         // or k_offset/v_offset/page_stride not a multiple of 8 elements
-  PW_PREFILL_ERR_BAD_SCALE = -6,         // sm_scale not finite or not > 0
-  PW_PREFILL_ERR_BAD_WINDOW = -7,        // window_left < -1
-  PW_PREFILL_ERR_NEGATIVE_OFFSET = -9,   // k_offset or v_offset < 0
-  PW_PREFILL_ERR_SMEM_UNAVAILABLE = -10, // the device cannot give this tile the shared memory it needs
-  PW_PREFILL_ERR_TOO_LARGE = -11,        // num_kv_heads > 65535 (grid y) or num_qo_heads * 256 past int32
-  PW_PREFILL_ERR_NOT_SM90 = -12,         // (sm_90 launcher) library not built for sm_90a, or device not 9.0
+  PW_PREFILL_ERR_NULL_POINTER = -1,       // a required pointer is NULL (lse may be NULL)
+  PW_PREFILL_ERR_NONPOSITIVE_SIZE = -2,   // page_size, num_qo_heads, num_kv_heads, page_stride < 1 or grid_tiles < 0
+  PW_PREFILL_ERR_HEAD_RATIO = -3,         // num_qo_heads % num_kv_heads != 0
+  PW_PREFILL_ERR_UNSUPPORTED_TILE = -4,   // cta_tile_q not in {16, 64, 128}
+  PW_PREFILL_ERR_MISALIGNED = -5,         // q/out/pool not 16-byte aligned, lse not 4-byte aligned,
+                                          // or k_offset/v_offset/page_stride not a multiple of 8 elements
+  PW_PREFILL_ERR_BAD_SCALE = -6,          // sm_scale not finite or not > 0
+  PW_PREFILL_ERR_BAD_WINDOW = -7,         // window_left < -1
+  PW_PREFILL_ERR_NEGATIVE_OFFSET = -9,    // k_offset or v_offset < 0
+  PW_PREFILL_ERR_SMEM_UNAVAILABLE = -10,  // the device cannot give this tile the shared memory it needs
+  PW_PREFILL_ERR_TOO_LARGE = -11,         // num_kv_heads > 65535 (grid y) or num_qo_heads * 256 past int32
+  PW_PREFILL_ERR_NOT_SM90 = -12,          // (sm_90 launcher) library not built for sm_90a, or device not 9.0
 };
 
 constexpr int kPwPrefillHeadDim = 256;
@@ -54,26 +54,26 @@ struct PwPrefillParams {
 // field by a ctypes.Structure in src/pagedwindow/cuda/ops.py; pw_prefill_launch_size() lets the host check
 // the two agree). Pointers are device addresses; offsets and strides are in elements.
 struct PwPrefillLaunch {
-  const void* q;             // [rows, num_qo_heads, 256] bf16
-  void* out;                 // [rows, num_qo_heads, 256] bf16
-  float* lse;                // [rows, num_qo_heads] fp32, or NULL
-  const void* pool;          // the paged KV pool (bf16)
-  long long k_offset;        // the layer's K block within a page
-  long long v_offset;        // the layer's V block within a page
-  long long page_stride;     // elements of one page
-  const int* page_indices;   // plan arrays (int32, device)
+  const void* q;            // [rows, num_qo_heads, 256] bf16
+  void* out;                // [rows, num_qo_heads, 256] bf16
+  float* lse;               // [rows, num_qo_heads] fp32, or NULL
+  const void* pool;         // the paged KV pool (bf16)
+  long long k_offset;       // the layer's K block within a page
+  long long v_offset;       // the layer's V block within a page
+  long long page_stride;    // elements of one page
+  const int* page_indices;  // plan arrays (int32, device)
   const int* page_indptr;
   const int* last_page_len;
   const int* qo_indptr;
   const int* request_indices;
   const int* qo_tile_indices;
-  const int* plan_scalars;   // {batch_size, total_tokens, num_tiles}
+  const int* plan_scalars;  // {batch_size, total_tokens, num_tiles}
   int page_size;
   int num_qo_heads;
   int num_kv_heads;
-  int grid_tiles;            // grid x: the plan's tile capacity (the live count is read from plan_scalars)
-  int cta_tile_q;            // 16, 64 or 128
-  int window_left;           // inclusive distance, -1 = no window
+  int grid_tiles;   // grid x: the plan's tile capacity (the live count is read from plan_scalars)
+  int cta_tile_q;   // 16, 64 or 128
+  int window_left;  // inclusive distance, -1 = no window
   float sm_scale;
 };
 
@@ -91,10 +91,12 @@ static inline int pw_prefill_prepare(const PwPrefillLaunch* a, PwPrefillParams* 
   if (a->num_kv_heads > 65535 || a->num_qo_heads > (0x7fffffff / kPwPrefillHeadDim)) return PW_PREFILL_ERR_TOO_LARGE;
   if (!(a->sm_scale > 0.f) || !isfinite(a->sm_scale)) return PW_PREFILL_ERR_BAD_SCALE;
   if (a->window_left < -1) return PW_PREFILL_ERR_BAD_WINDOW;
+  // clang-format off: the alignment masks grouped by the bound they are tested against
   if (((reinterpret_cast<uintptr_t>(a->q) | reinterpret_cast<uintptr_t>(a->out) |
         reinterpret_cast<uintptr_t>(a->pool)) & 15u) != 0 ||
       (reinterpret_cast<uintptr_t>(a->lse) & 3u) != 0 || ((a->k_offset | a->v_offset | a->page_stride) & 7) != 0)
     return PW_PREFILL_ERR_MISALIGNED;
+  // clang-format on
   if (a->cta_tile_q != 16 && a->cta_tile_q != 64 && a->cta_tile_q != 128) return PW_PREFILL_ERR_UNSUPPORTED_TILE;
 
   p->q = static_cast<const __nv_bfloat16*>(a->q);
@@ -138,7 +140,6 @@ static inline const char* pw_prefill_status_string(int code) {
     case PW_PREFILL_ERR_TOO_LARGE: return "num_kv_heads > 65535 or num_qo_heads * 256 past int32";
     case PW_PREFILL_ERR_NOT_SM90:
       return "the sm_90 prefill kernel needs a compute capability 9.0 device and a library built for sm_90a";
-    default:
-      return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown pagedwindow status";
+    default: return code > 0 ? cudaGetErrorString(static_cast<cudaError_t>(code)) : "unknown pagedwindow status";
   }
 }

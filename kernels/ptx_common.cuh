@@ -12,8 +12,7 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 
 // 16-byte async copy global -> shared; src_bytes 0 writes 16 zero bytes and reads nothing.
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
-               : "memory");
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) == +0

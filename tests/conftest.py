@@ -1,11 +1,9 @@
 """Test policy: `cuda` tests skip without a GPU, unless PAGEDWINDOW_REQUIRE_GPU=1 makes a missing GPU a failure."""
 
-import os
-
 import pytest
 import torch
 
-REQUIRE_GPU = os.environ.get("PAGEDWINDOW_REQUIRE_GPU") == "1"
+from pagedwindow import settings
 
 
 def pytest_collection_modifyitems(config, items):
@@ -15,6 +13,6 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_runtest_setup(item):
     if "cuda" in item.keywords and not torch.cuda.is_available():
-        if REQUIRE_GPU:
+        if settings.require_gpu():
             pytest.fail("PAGEDWINDOW_REQUIRE_GPU=1 but no CUDA GPU is available")
         pytest.skip("needs a CUDA GPU (PAGEDWINDOW_REQUIRE_GPU=1 makes this a failure)")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import pagedwindow
-from pagedwindow import report
+from pagedwindow import report, settings
 from pagedwindow.cli import main
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -193,7 +193,6 @@ def test_doctor_build_on_a_gpu_reports_the_library_and_the_kv_copy_path(capsys):
     assert main(["doctor", "--build"]) == 0
     out = capsys.readouterr().out
     assert "built or verified and loaded" in out and "(built and verified;" in out
-    hopper = torch.cuda.get_device_capability() == (9, 0) and os.environ.get("PAGEDWINDOW_PREFILL_KERNEL",
-                                                                              "auto") != "mma_sync"
+    hopper = torch.cuda.get_device_capability() == (9, 0) and settings.prefill_kernel() != "mma_sync"
     assert f"K/V copy path, bf16 pool of page 16, 8 KV heads: {'tma' if hopper else 'cp.async'}" in out
     assert "K/V copy path, bf16 pool of page 5, 8 KV heads: cp.async" in out

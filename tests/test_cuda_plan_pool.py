@@ -8,7 +8,7 @@ import torch
 
 import pagedwindow as pw
 from pagedwindow import plan as plan_module
-from tests.cases import make_case
+from pagedwindow.testing import random_batch
 
 pytestmark = pytest.mark.cuda
 D = 256
@@ -17,9 +17,9 @@ HEADS = dict(num_qo_heads=16, num_kv_heads=8)
 
 def _case(seed, seq_lens, start_positions):
     gen = torch.Generator().manual_seed(seed)
-    case = make_case(gen, seq_lens=seq_lens, start_positions=start_positions, page_size=16, head_dim=D,
-                     dtype=torch.bfloat16, device="cuda", **HEADS)
-    pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan, backend="cuda")
+    case = random_batch(gen, seq_lens=seq_lens, start_positions=start_positions, page_size=16, head_dim=D,
+                        dtype=torch.bfloat16, device="cuda", **HEADS)
+    case.append(backend="cuda")
     return case
 
 

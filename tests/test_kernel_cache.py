@@ -9,7 +9,9 @@ import ctypes
 import hashlib
 import importlib.util
 import json
+import logging
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -17,13 +19,14 @@ import sys
 import textwrap
 import zipfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import pagedwindow
-from pagedwindow import cuda
-from pagedwindow.cuda import build, ops
+from pagedwindow import api, cuda, settings
+from pagedwindow.cuda import build, host_pass, ops
 from pagedwindow.cuda.build import BuildError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -313,7 +316,8 @@ def fake_gpu(monkeypatch):
 
 
 @pytest.mark.slow
-def test_ops_library_heals_a_cached_library_that_lacks_the_kernels(env, nvcc_log, fake_gpu, tmp_path):
+def test_ops_library_heals_a_cached_library_that_lacks_the_kernels(env, nvcc_log, fake_gpu, tmp_path, caplog,
+                                                                   monkeypatch):
     forged = forge_entry(TARGET, tmp_path)
     lib = ops.library(torch.device("cuda", 0))
     assert builds(nvcc_log) == 1, "the forged library was not rebuilt"
@@ -322,6 +326,12 @@ def test_ops_library_heals_a_cached_library_that_lacks_the_kernels(env, nvcc_log
     healed = build.build_shared_library(TARGET)
     assert healed != forged and not forged.exists()
     assert_verified(healed)
+    # the backend's first look at the kernels logs which prefill kernel this device runs, and why
+    monkeypatch.delenv("PAGEDWINDOW_PREFILL_KERNEL", raising=False)
+    caplog.set_level(logging.INFO, logger="pagedwindow")
+    assert cuda.unavailable_reason() is None
+    assert messages(caplog, "pagedwindow.cuda") == [
+        "CUDA kernels loaded for cuda:0; prefill kernel: mma.sync (the default for this architecture)"]
 
 
 # -- auto's fallback is visible ---------------------------------------------------------------------------------------
@@ -348,6 +358,85 @@ def test_a_library_that_does_not_load_is_the_reason(env, fake_gpu, monkeypatch):
     monkeypatch.setenv("PAGEDWINDOW_NVCC", str(fake))
     reason = cuda.unavailable_reason()
     assert reason is not None and "even after a rebuild" in reason and "pw_prefill_hd256_bf16" in reason
+
+
+# -- what the "pagedwindow" loggers say --------------------------------------------------------------------------------
+
+def messages(caplog, logger: str, level: int = logging.DEBUG) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == logger and r.levelno >= level]
+
+
+def test_the_package_logger_is_silent_unless_configured():
+    assert any(isinstance(h, logging.NullHandler) for h in logging.getLogger("pagedwindow").handlers)
+
+
+def test_a_build_its_time_and_a_cache_hit_are_logged(stub, nvcc_log, caplog):
+    caplog.set_level(logging.DEBUG, logger="pagedwindow")
+    library = build.build_shared_library(TARGET)
+    logged = messages(caplog, "pagedwindow.cuda.build", logging.INFO)
+    assert len(logged) == 3 and logged[0].startswith(f"kernel cache miss: no {library.parent.name} in ")
+    assert logged[1].startswith(f"building the kernels for {TARGET} with ")
+    assert re.fullmatch(rf"built the kernels for {TARGET} in \d+\.\d s: {re.escape(str(library))}", logged[2])
+    caplog.clear()
+    assert build.build_shared_library(TARGET) == library and builds(nvcc_log) == 1
+    assert messages(caplog, "pagedwindow.cuda.build") == [f"kernel cache hit: {library}"]
+
+
+def test_healing_a_broken_cache_entry_is_logged(stub, nvcc_log, caplog, tmp_path):
+    caplog.set_level(logging.INFO, logger="pagedwindow")
+    _truncate(build.build_shared_library(TARGET))
+    caplog.clear()
+    build.build_shared_library(TARGET)
+    assert "does not match its manifest" in messages(caplog, "pagedwindow.cuda.build", logging.WARNING)[0]
+    shutil.rmtree(build.cache_root())
+    forged = forge_entry(TARGET, tmp_path)
+    caplog.clear()
+    build.load_verified(TARGET, lambda path: ctypes.CDLL(str(path)).pw_stub)
+    warned = messages(caplog, "pagedwindow.cuda.build", logging.WARNING)
+    assert len(warned) == 1 and warned[0].startswith(f"kernel cache: {forged} does not load (")
+    assert f"kernel cache: discarding {forged}, which failed to load" in messages(caplog, "pagedwindow.cuda.build")
+
+
+@pytest.fixture
+def broken_nvcc(env, monkeypatch):
+    """``$PAGEDWINDOW_NVCC``: an nvcc that reports a version and fails every build."""
+    broken = write_script(env / "nvcc", """\
+        case "$*" in *--version*) echo "Cuda compilation tools, release 13.0"; exit 0;; esac
+        echo "nvcc fatal   : pretend the toolkit is broken" >&2; exit 1
+        """)
+    monkeypatch.setenv("PAGEDWINDOW_NVCC", str(broken))
+
+
+def test_a_failed_build_and_autos_fallback_are_logged(env, fake_gpu, broken_nvcc, monkeypatch, caplog):
+    """A kernel build that fails makes backend "auto" run the reference: the failure, its time, the fallback
+    and its reason are logged (once each; later fallbacks at DEBUG)."""
+    monkeypatch.setattr(api, "_fallbacks_warned", set())
+    caplog.set_level(logging.DEBUG, logger="pagedwindow")
+    plan = pagedwindow.PrefillPagedPlan.single([0], 4, 0, 4, num_qo_heads=2, num_kv_heads=1, head_dim=256,
+                                               page_size=16, cta_tile_q=16)  # a tile: no device to ask
+    on_gpu = SimpleNamespace(device=torch.device("cuda", 0))  # the device is all the choice reads first
+    with pytest.warns(RuntimeWarning, match="runs the PyTorch reference on cuda:0"):
+        assert api._resolve_backend("batch_prefill_paged_window", "auto", plan, on_gpu) == "reference"
+    assert re.fullmatch(r"kernel build for sm_80 failed after \d+\.\d s",
+                        messages(caplog, "pagedwindow.cuda.build", logging.WARNING)[0])
+    (unavailable,) = messages(caplog, "pagedwindow.cuda", logging.WARNING)
+    assert "backend 'cuda' is unavailable" in unavailable and "pretend the toolkit is broken" in unavailable
+    (fallback,) = messages(caplog, "pagedwindow.api", logging.WARNING)
+    assert fallback.startswith("batch_prefill_paged_window: backend 'auto' runs the PyTorch reference on cuda:0: "
+                               "the CUDA kernels could not be built or loaded")
+    caplog.clear()
+    assert api._resolve_backend("batch_prefill_paged_window", "auto", plan, on_gpu) == "reference"
+    assert messages(caplog, "pagedwindow.api", logging.WARNING) == []
+    assert messages(caplog, "pagedwindow.api") == [fallback]  # at DEBUG from the second time on
+
+
+def test_the_plans_fallback_to_the_numpy_pass_is_logged(env, fake_gpu, broken_nvcc, monkeypatch, caplog):
+    monkeypatch.setattr(host_pass, "_failed", set())
+    caplog.set_level(logging.WARNING, logger="pagedwindow")
+    assert host_pass.library(torch.device("cuda", 0)) is None
+    (logged,) = messages(caplog, "pagedwindow.cuda.host_pass")
+    assert logged.startswith("the compiled plan pass is unavailable on cuda:0 (plans use the numpy pass): ")
+    assert "pretend the toolkit is broken" in logged
 
 
 # -- kernels ship in the package ---------------------------------------------------------------------------------------
@@ -395,7 +484,7 @@ def test_a_built_wheel_ships_the_kernels_and_compiles_them(tmp_path):
     assert Path(found[0]).is_relative_to(site), f"the subprocess imported {found[0]}, not the installed wheel"
     assert found[1] and all(Path(p).is_relative_to(site / "pagedwindow" / "kernels") for p in found[1]), found[1]
 
-    if shutil.which("nvcc") is None and not os.environ.get("PAGEDWINDOW_NVCC"):
+    if shutil.which("nvcc") is None and settings.nvcc() is None:
         pytest.skip("nvcc is not installed: the installed sources resolve, but compiling them needs nvcc")
     resources = installed("import json; from pagedwindow.cuda.build import compile_for_targets; "
                           "r, report = compile_for_targets(['sm_80']); "

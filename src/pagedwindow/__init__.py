@@ -6,6 +6,8 @@ model, fed step by step through those wrappers). ``pagedwindow.reference`` is th
 (the CPU backend); ``pagedwindow.cuda`` holds our kernels; ``pagedwindow.hf`` the Hugging Face Gemma oracle.
 """
 
+import logging
+
 from .api import append_paged_kv, batch_prefill_paged_window
 from .errors import PagedWindowError
 from .kv_state import PagedKvState, StepInfo
@@ -27,3 +29,7 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+# Kernel builds, the kernel cache and backend fallbacks log to "pagedwindow.*" loggers; silent unless the
+# application configures logging (README: "Logs").
+logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -16,7 +16,9 @@ computed once per plan update (the kernels' parameter block).
 
 from __future__ import annotations
 
+import logging
 import warnings
+from types import ModuleType
 
 import torch
 
@@ -34,7 +36,7 @@ that runs it (``"reference"`` | ``"cuda"``). Empty unless someone records what r
 (``pagedwindow.measure.runtime.observe_backends``); nothing here depends on them."""
 
 
-_cuda_module = []  # the CUDA backend once imported
+_cuda_module: list[ModuleType] = []  # the CUDA backend once imported
 
 
 def _cuda_backend():
@@ -46,31 +48,36 @@ def _cuda_backend():
 
 
 _fallbacks_warned: set[str] = set()
+_log = logging.getLogger(__name__)
 
 
-def _resolve_backend(what: str, backend: str, plan: PrefillPagedPlan, *tensors: torch.Tensor) -> str:
-    """The backend that runs this call; ``tensors[0]`` decides device and dtype."""
+def _resolve_backend(what: str, backend: str, plan: PrefillPagedPlan, first: torch.Tensor,
+                     *others: torch.Tensor | None) -> str:
+    """The backend that runs this call; ``first`` decides device and dtype (``others`` may hold None: no lse)."""
     if backend == "reference":
         return backend
     if backend not in BACKENDS:
         raise PagedWindowError(f"{what}: backend {backend!r} is not one of {BACKENDS}")
-    device = tensors[0].device
+    device = first.device
     if backend == "auto":
         if device.type != "cuda":
             return "reference"
         cuda = _cuda_backend()
-        reason = cuda.unavailable_reason() or cuda.unsupported(what, plan, *tensors)
+        reason = cuda.unavailable_reason() or cuda.unsupported(what, plan, first, *others)
         if reason is None:
             return "cuda"
         if reason not in _fallbacks_warned:
             _fallbacks_warned.add(reason)
             warnings.warn(f"{what}: backend 'auto' runs the PyTorch reference on {device}: {reason}",
                           RuntimeWarning, stacklevel=3)
+            _log.warning("%s: backend 'auto' runs the PyTorch reference on %s: %s", what, device, reason)
+        else:
+            _log.debug("%s: backend 'auto' runs the PyTorch reference on %s: %s", what, device, reason)
         return "reference"
     if device.type != "cuda":
         raise PagedWindowError(f"{what}: backend 'cuda' needs tensors on a CUDA device, got {device}")
     cuda = _cuda_backend()
-    reason = cuda.unsupported(what, plan, *tensors)
+    reason = cuda.unsupported(what, plan, first, *others)
     if reason is not None:
         raise PagedWindowError(f"{what}: backend 'cuda' does not support {reason}")
     cuda.require()  # raises PagedWindowError naming why the kernels cannot be built or loaded

@@ -41,7 +41,7 @@ import functools
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -152,9 +152,16 @@ class _PlanState(NamedTuple):
             if value > bound:
                 raise PagedWindowError(f"update: {name} = {value} exceeds the plan's capacity {bound}")
 
-    __eq__ = object.__eq__  # a tuple of arrays has no useful value equality
-    __ne__ = object.__ne__
-    __hash__ = object.__hash__
+    # A tuple of arrays has no useful value equality: identity instead. Methods, not assignments, which a
+    # NamedTuple body would declare as fields for a type checker.
+    def __eq__(self, other: object) -> bool:
+        return object.__eq__(self, other)
+
+    def __ne__(self, other: object) -> bool:
+        return object.__ne__(self, other)
+
+    def __hash__(self) -> int:
+        return object.__hash__(self)
 
 
 # -- validation: CSR arrays in, a _PlanState out ----------------------------------------------------------------
@@ -348,9 +355,9 @@ def _state_from_csr(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np
     checked_i32("batch_size", batch)
     lib = _host_pass_library(device)
     if lib is not None:
-        packed = _compiled_pass(lib, (qo_indptr, kv_indptr, kv_indices, last_page_len), given, heads, tile, device)
-        if packed is not None:
-            return packed
+        compiled = _compiled_pass(lib, (qo_indptr, kv_indptr, kv_indices, last_page_len), given, heads, tile, device)
+        if compiled is not None:
+            return compiled
     if len(qo_indptr) != batch + 1 or len(kv_indptr) != batch + 1:
         _check_indptr("qo_indptr", qo_indptr.astype(np.int64, copy=False), batch, "seq_len")
         _check_indptr("kv_indptr", kv_indptr.astype(np.int64, copy=False), batch, "page count", minimum=1)
@@ -486,7 +493,11 @@ def _compiled_pass(lib, arrays, given, heads: _Heads, tile: int | None, device) 
     return state, reason
 
 
-def _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, page_size: int):
+_CsrArrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+"""``(qo_indptr, kv_indptr, kv_indices, last_page_len)`` as host integer arrays."""
+
+
+def _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, page_size: int) -> _CsrArrays:
     """Per-request lists (the ``batch`` form) to CSR arrays, with the coverage rule checked per request."""
     seq = checked_i32_array("seq_lens", int_array("seq_lens", seq_lens), minimum=0).astype(np.int64)
     batch = len(seq)
@@ -603,14 +614,14 @@ class _DeviceMirror:
                     self._upload_compiled(turn, staging, state, cap, index)
             return
         staged, event = self.staged[turn], self.events[turn]
-        if staged is None:
+        if staged is None or event is None:  # made together
             staged = self.staged[turn] = staging.numpy()
             event = self.events[turn] = torch.cuda.Event()
         event.synchronize()  # the upload that last used this staging buffer has run (never recorded: no wait)
         entries = len(state.packed)
         if entries == len(self.buffer):  # every segment exactly full: the packed block is the buffer
             staged[:entries] = state.packed
-            copies = ((0, entries),)
+            copies: tuple[tuple[int, int], ...] = ((0, entries),)
         else:
             _scatter_live(state, cap, staged)
             o_pages, p = cap.segment_offsets()[6], state.total_pages
@@ -834,7 +845,7 @@ class PrefillPagedPlan:
         self._commit(state)
         return self
 
-    def _update_tile(self, cta_tile_q) -> int:
+    def _update_tile(self, cta_tile_q) -> int | None:
         if cta_tile_q is None:
             return self._tile
         tile = _check_tile(cta_tile_q)
@@ -874,7 +885,9 @@ class PrefillPagedPlan:
             return mirror.buffer
         device = torch.device(device)
         if device.type == "cuda":
-            return self._mirror(_cuda_device(device)).buffer
+            cuda_device = _cuda_device(device)
+            assert cuda_device is not None  # a CUDA device
+            return self._mirror(cuda_device).buffer
         buffer = torch.zeros(self.capacity.buffer_entries, dtype=torch.int32)
         if self._state is not None:
             _scatter_live(self._state, self.capacity, buffer.numpy())
@@ -1007,6 +1020,7 @@ class PrefillPagedPlan:
     def to_dict(self) -> dict:
         """A JSON-ready dict: capacity, the fixed tile, the requests, and the derived arrays (for diffing)."""
         cap = self.capacity
+        data: dict[str, Any]
         data = {"capacity": {"max_total_tokens": cap.max_total_tokens, "max_total_pages": cap.max_total_pages,
                              "max_batch": cap.max_batch, "max_tiles": cap.max_tiles},
                 "cta_tile_q": self._tile}
@@ -1075,10 +1089,10 @@ class PrefillPagedPlan:
     def __eq__(self, other) -> bool:
         return isinstance(other, PrefillPagedPlan) and self.to_dict() == other.to_dict()
 
-    __hash__ = None  # mutable (update)
+    __hash__ = None  # type: ignore[assignment]  # mutable (update)
 
 
-def _csr_arrays(qo_indptr, kv_indptr, kv_indices, last_page_len):
+def _csr_arrays(qo_indptr, kv_indptr, kv_indices, last_page_len) -> _CsrArrays:
     given = (qo_indptr, kv_indptr, kv_indices, last_page_len)
     host = _read_cuda_csr(given)
     if host is not None:
@@ -1087,7 +1101,7 @@ def _csr_arrays(qo_indptr, kv_indptr, kv_indices, last_page_len):
             int_array("kv_indices", kv_indices), int_array("last_page_len", last_page_len))
 
 
-def _read_cuda_csr(given) -> tuple[np.ndarray, ...] | None:
+def _read_cuda_csr(given) -> _CsrArrays | None:
     """Four 1-D CUDA integer tensors of one dtype on one device, read to the host in one copy (one
     synchronisation instead of four) as views of one array; None for anything else (read one by one, with
     every check of ``int_array``)."""
@@ -1100,7 +1114,8 @@ def _read_cuda_csr(given) -> tuple[np.ndarray, ...] | None:
             return None
     block = torch.cat([t.detach() for t in given]).cpu().numpy()  # [sum of lengths]
     ends = np.cumsum([len(t) for t in given])
-    return tuple(np.split(block, ends[:-1]))
+    qo_indptr, kv_indptr, kv_indices, last_page_len = np.split(block, ends[:-1])
+    return qo_indptr, kv_indptr, kv_indices, last_page_len
 
 
 _CUDA_CSR_DTYPES = (torch.int32, torch.int64)

@@ -42,10 +42,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import settings
 from .viz.paths import REPO_ENV  # set for the kernels: the repository the notebooks came from
 
-NOTEBOOKS_ENV = "PAGEDWINDOW_NOTEBOOKS"  # overrides where the notebooks (and params/) are found
-COMMIT_ENV = "PAGEDWINDOW_COMMIT"  # the commit to report when the tree is a copy without .git
+NOTEBOOKS_ENV = settings.NOTEBOOKS.name  # overrides where the notebooks (and params/) are found
+COMMIT_ENV = settings.COMMIT.name  # the commit to report when the tree is a copy without .git
 INLINE_BACKEND = "module://matplotlib_inline.backend_inline"
 VARIANTS_KEY = "variants"
 EXIT_OK, EXIT_GATE_FAILED, EXIT_USAGE = 0, 1, 2
@@ -81,8 +82,9 @@ def check_out_dir(out: str | os.PathLike) -> Path:
 # -- where things are ----------------------------------------------------------------------------------------------
 def default_notebooks_dir() -> Path:
     """``$PAGEDWINDOW_NOTEBOOKS``, else the checkout's ``notebooks/`` (next to ``src/``), else ``./notebooks``."""
-    if os.environ.get(NOTEBOOKS_ENV):
-        return Path(os.environ[NOTEBOOKS_ENV])
+    notebooks = settings.notebooks_dir()
+    if notebooks is not None:
+        return notebooks
     checkout = Path(__file__).resolve().parents[2] / "notebooks"
     return checkout if checkout.is_dir() else Path.cwd() / "notebooks"
 
@@ -212,11 +214,11 @@ def _kernel_environment(repo: Path):
     import pagedwindow
 
     src = str(Path(pagedwindow.__file__).resolve().parents[1])
-    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", REPO_ENV, "MPLBACKEND")}
+    saved = {k: os.environ.get(k) for k in ("PYTHONPATH", REPO_ENV, settings.MPLBACKEND.name)}
     parts = [src] + [p for p in (saved["PYTHONPATH"] or "").split(os.pathsep) if p and p != src]
     os.environ["PYTHONPATH"] = os.pathsep.join(parts)
     os.environ[REPO_ENV] = str(repo)
-    os.environ["MPLBACKEND"] = INLINE_BACKEND
+    os.environ[settings.MPLBACKEND.name] = INLINE_BACKEND
     try:
         yield
     finally:
@@ -263,8 +265,9 @@ BACKEND_NAMES = {"cuda": "CUDA kernel", "reference": "PyTorch reference", "cuda+
 def git_commit(repo: Path | None) -> str | None:
     """The short sha of the checkout at ``repo``, with ``+dirty`` when tracked files differ from it;
     ``$PAGEDWINDOW_COMMIT`` when set; None when ``repo`` is not the top of a git checkout (or git is missing)."""
-    if os.environ.get(COMMIT_ENV):
-        return os.environ[COMMIT_ENV]
+    commit = settings.commit()
+    if commit is not None:
+        return commit
     if repo is None:
         return None
 

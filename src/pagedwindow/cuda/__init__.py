@@ -6,8 +6,11 @@ reference backend.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from .. import settings
 from ..errors import PagedWindowError
 from ..layout import PagedGeometry
 from ..plan import PrefillPagedPlan
@@ -18,6 +21,7 @@ from .build import BuildError, target_for_capability
 PREFILL_HEAD_DIM = 256
 PREFILL_DTYPES = (torch.bfloat16,)
 APPEND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_log = logging.getLogger(__name__)
 
 
 def unsupported(what: str, plan: PrefillPagedPlan, *tensors: torch.Tensor) -> str | None:
@@ -51,12 +55,25 @@ def _load_error() -> str | None:
         if not torch.cuda.is_available():
             _load_state["error"] = "no CUDA device is available"
         else:
+            device = torch.device("cuda", torch.cuda.current_device())
             try:
-                ops.library(torch.device("cuda", torch.cuda.current_device()))
+                ops.library(device)
                 _load_state["error"] = None
             except (BuildError, OSError) as exc:
                 _load_state["error"] = f"the CUDA kernels could not be built or loaded: {exc}"
+                _log.warning("backend 'cuda' is unavailable (backend 'auto' runs the PyTorch reference): %s",
+                             _load_state["error"])
+            else:
+                _log.info("CUDA kernels loaded for %s; prefill kernel: %s", device, _kernel_choice(device))
     return _load_state["error"]
+
+
+def _kernel_choice(device: torch.device) -> str:
+    """The prefill kernel ``device`` runs and why: the architecture's default or ``$PAGEDWINDOW_PREFILL_KERNEL``."""
+    kernel = "sm_90a wgmma" if prefill_kernel(device) == "wgmma" else "mma.sync"
+    choice = settings.prefill_kernel()
+    why = "the default for this architecture" if choice == "auto" else f"{settings.PREFILL_KERNEL.name}={choice}"
+    return f"{kernel} ({why})"
 
 
 def unavailable_reason() -> str | None:

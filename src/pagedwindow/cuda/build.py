@@ -14,18 +14,24 @@ manifest there and publishes the directory with an atomic rename. A cached libra
 matches (size and sha256); anything else (truncated, modified, foreign, no manifest, no library, a killed build's
 staging directory) is rebuilt. The library's name carries its hash, so a rebuilt library never aliases one this
 process has already ``dlopen``-ed. ``$PAGEDWINDOW_NVCC`` names the compiler.
+
+The logger ``pagedwindow.cuda.build`` records each build (its start, and its end with the seconds it took, or
+its failure), cache hits (DEBUG) and misses, and every entry healed: one that does not match its manifest, one
+that does not load, a killed build's staging directory.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import shlex
 import shutil
 import subprocess
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,13 +40,15 @@ from typing import TypeVar
 
 from filelock import FileLock
 
+from .. import settings
+
 PACKAGE_KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 """Where a (non-editable) install puts the sources: ``pagedwindow/kernels/``, package data of the wheel."""
 REPO_KERNELS_DIR = Path(__file__).resolve().parents[3] / "kernels"
 """The repository's ``kernels/``, the one copy of the sources (an editable install reads it directly)."""
 SOURCES = ("prefill_hd256.cu", "prefill_hd256_sm90.cu", "append_paged_kv.cu", "plan_pack.cpp")
 BASE_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", "-Xptxas=-v,--warn-on-spills")
-NVCC_ENVIRONMENT = ("NVCC_PREPEND_FLAGS", "NVCC_APPEND_FLAGS", "NVCC_CCBIN")
+NVCC_ENVIRONMENT = tuple(s.name for s in settings.NVCC_VARIABLES)
 """Environment variables nvcc itself reads; they change what it builds, so they are part of the cache key."""
 CI_TARGETS = ("sm_80", "sm_89", "sm_90a")
 LIBRARY_STEM = "libpagedwindow_kernels"
@@ -48,6 +56,7 @@ MANIFEST = "manifest.json"
 CACHE_FORMAT = 2  # bump when the cache layout changes: every key changes with it
 
 T = TypeVar("T")
+_log = logging.getLogger(__name__)
 
 
 class BuildError(RuntimeError):
@@ -68,13 +77,11 @@ def target_for_capability(major: int, minor: int) -> str:
 def nvcc_flags() -> list[str]:
     """The flags of every build, read now: ``BASE_FLAGS`` then ``$PAGEDWINDOW_NVCC_FLAGS`` (e.g. a kernel
     variant's -D for a benchmark)."""
-    return [*BASE_FLAGS, *shlex.split(os.environ.get("PAGEDWINDOW_NVCC_FLAGS", ""))]
+    return [*BASE_FLAGS, *settings.nvcc_flags()]
 
 
 def find_nvcc() -> str:
-    candidates = [os.environ.get("PAGEDWINDOW_NVCC"), shutil.which("nvcc")]
-    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    candidates.append(str(Path(cuda_home) / "bin" / "nvcc"))
+    candidates = [settings.nvcc(), shutil.which("nvcc"), str(settings.cuda_home() / "bin" / "nvcc")]
     for c in candidates:
         if c and Path(c).is_file() and os.access(c, os.X_OK):
             return c
@@ -91,9 +98,9 @@ def nvcc_version(nvcc: str) -> str:
 def kernels_dir() -> Path:
     """The directory the sources are read from: ``$PAGEDWINDOW_KERNELS_DIR``, else the installed package's
     ``kernels/``, else the repository's."""
-    override = os.environ.get("PAGEDWINDOW_KERNELS_DIR")
-    if override:
-        return Path(override)
+    override = settings.kernels_dir()
+    if override is not None:
+        return override
     for directory in (PACKAGE_KERNELS_DIR, REPO_KERNELS_DIR):
         if all((directory / name).is_file() for name in SOURCES):
             return directory
@@ -112,7 +119,7 @@ def source_paths() -> list[Path]:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("PAGEDWINDOW_CACHE_DIR", Path.home() / ".cache" / "pagedwindow"))
+    return settings.cache_dir()
 
 
 def _sha256(path: Path) -> str:
@@ -129,7 +136,7 @@ def build_inputs(target: str, nvcc: str) -> dict:
     files = sorted([*directory.glob("*.cu"), *directory.glob("*.cuh"), *directory.glob("*.cpp")])  # every source
     return {"format": CACHE_FORMAT, "target": target, "nvcc": str(Path(nvcc).resolve()),
             "nvcc_version": nvcc_version(nvcc), "flags": nvcc_flags(),
-            "environment": {name: os.environ.get(name) for name in NVCC_ENVIRONMENT},
+            "environment": settings.nvcc_environment(),
             "files": {p.name: _sha256(p) for p in files}}
 
 
@@ -227,20 +234,36 @@ def build_shared_library(target: str, *, discard: Path | None = None) -> Path:
     final = root / f"{target}-{key}"
     library = verified_library(final, key)
     if library is not None and library != discard:
+        _log.debug("kernel cache hit: %s", library)
         return library
+    if library is not None:
+        _log.info("kernel cache: discarding %s, which failed to load", library)
+    elif final.exists():
+        _log.warning("kernel cache: %s does not match its manifest (truncated, modified or incomplete); "
+                     "rebuilding it", final)
+    else:
+        _log.info("kernel cache miss: no %s in %s", final.name, root)
     root.mkdir(parents=True, exist_ok=True)
     with FileLock(str(root / f"{target}-{key}.lock")):
         library = verified_library(final, key)
         if library is not None and library != discard:  # another process built it while we waited
+            _log.info("kernel cache hit after waiting for another process's build: %s", library)
             return library
         for leftover in root.glob(f".{target}-{key}-*"):  # a killed build's: no one else builds this key now
+            _log.info("kernel cache: removing %s, left by a build that did not finish", leftover)
             _remove(leftover)
         staging = Path(tempfile.mkdtemp(prefix=f".{target}-{key}-", dir=root))
+        _log.info("building the kernels for %s with %s", target, nvcc)
+        started = time.perf_counter()
         try:
             library = _compile(nvcc, target, staging, key, inputs)
             _publish(staging, final)
+        except Exception:
+            _log.warning("kernel build for %s failed after %.1f s", target, time.perf_counter() - started)
+            raise
         finally:
             _remove(staging)  # already gone after a publish
+    _log.info("built the kernels for %s in %.1f s: %s", target, time.perf_counter() - started, final / library.name)
     return final / library.name
 
 
@@ -251,6 +274,7 @@ def load_verified(target: str, loader: Callable[[Path], T]) -> T:
     try:
         return loader(library)
     except (OSError, AttributeError) as first:
+        _log.warning("kernel cache: %s does not load (%s); rebuilding it once", library, first)
         rebuilt = build_shared_library(target, discard=library)
         try:
             return loader(rebuilt)

@@ -11,6 +11,7 @@ and produce the same block; the numpy pass also names the offending entry of a b
 from __future__ import annotations
 
 import ctypes
+import logging
 
 import torch
 
@@ -20,6 +21,7 @@ PACK_OK, PACK_INVALID, PACK_SHARED, PACK_SPARSE, PACK_TOO_SMALL = range(5)
 """``pw_plan_pack``'s statuses (``PwPackStatus``)."""
 
 _failed: set[int] = set()  # CUDA device indices whose library could not be built or loaded
+_log = logging.getLogger(__name__)
 
 
 def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -56,6 +58,7 @@ def library(device: torch.device | None) -> ctypes.CDLL | None:
         return None
     try:
         return ops.library(torch.device("cuda", index))
-    except Exception:  # noqa: BLE001 - no kernels here: the numpy pass runs, and a launch reports why
+    except Exception as exc:  # noqa: BLE001 - no kernels here: the numpy pass runs, and a launch reports why
         _failed.add(index)
+        _log.warning("the compiled plan pass is unavailable on cuda:%d (plans use the numpy pass): %s", index, exc)
         return None

@@ -11,11 +11,11 @@ passed whole (segments at fixed offsets), so CUDA-graph replay after ``plan.upda
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 
 import torch
 
+from .. import settings
 from . import host_pass
 from .build import load_verified, target_for_capability
 
@@ -50,7 +50,7 @@ class AppendLaunch(ctypes.Structure):
 
 def prefill_entry(target: str) -> str:
     """The launcher the prefill op calls on ``target``: the sm_90a wgmma kernel on Hopper, else mma.sync."""
-    choice = os.environ.get("PAGEDWINDOW_PREFILL_KERNEL", "auto")
+    choice = settings.prefill_kernel()
     if choice not in PREFILL_KERNELS:
         raise RuntimeError(f"PAGEDWINDOW_PREFILL_KERNEL={choice!r} is not one of {PREFILL_KERNELS}")
     if choice == "wgmma" or (choice == "auto" and target == "sm_90a"):

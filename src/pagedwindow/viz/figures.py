@@ -8,12 +8,13 @@ inline backend (figures render into the notebook and its HTML), ``MPLBACKEND`` i
 from __future__ import annotations
 
 import math
-import os
 import sys
 from pathlib import Path
 
 import matplotlib
 import torch
+
+from .. import settings
 
 
 def _in_notebook_kernel() -> bool:
@@ -26,7 +27,7 @@ def _in_notebook_kernel() -> bool:
 
 def ensure_backend() -> str:
     """Select Agg unless running in a notebook kernel or ``MPLBACKEND`` is set; returns the backend in use."""
-    if not _in_notebook_kernel() and "MPLBACKEND" not in os.environ:
+    if not _in_notebook_kernel() and settings.mpl_backend() is None:
         matplotlib.use("Agg")
     return matplotlib.get_backend()
 

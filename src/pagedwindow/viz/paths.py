@@ -6,16 +6,18 @@ the run's directory), so relative paths are resolved here rather than against th
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-REPO_ENV = "PAGEDWINDOW_REPO"  # the report sets it for its kernels: the repository the notebooks came from
+from .. import settings
+
+REPO_ENV = settings.REPO.name  # the report sets it for its kernels: the repository the notebooks came from
 
 
 def repository_root() -> Path | None:
     """``$PAGEDWINDOW_REPO``, else the source checkout this package is imported from (``src/`` layout), else None."""
-    if os.environ.get(REPO_ENV):
-        return Path(os.environ[REPO_ENV])
+    repo = settings.repo_dir()
+    if repo is not None:
+        return repo
     checkout = Path(__file__).resolve().parents[3]  # src/pagedwindow/viz/ -> the repository root
     return checkout if (checkout / "pyproject.toml").is_file() else None
 

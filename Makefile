@@ -27,7 +27,7 @@ report: setup
 KERNEL_SOURCES = $(wildcard kernels/*.cu kernels/*.cuh kernels/*.cpp)
 
 lint: setup
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/mypy
 	$(VENV)/bin/clang-format --dry-run -Werror $(KERNEL_SOURCES)
 	git ls-files '*.ipynb' | xargs -r $(VENV)/bin/nbstripout --verify

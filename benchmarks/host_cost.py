@@ -76,13 +76,24 @@ def call_costs(w, inp, device, flashinfer: tuple[str, ...]) -> dict:
     row = {}
     kv = torch.randn(inp.plan.total_tokens, bench.HKV, bench.HEAD_DIM, dtype=torch.bfloat16, device=device)
     calls = {
-        f"prefill_{backend}_us": (lambda b=backend: pw.batch_prefill_paged_window(
-            inp.q, inp.pool, inp.layout, 0, inp.plan, sm_scale=bench.SM_SCALE, window_left=w.window_left,
-            out=inp.out, backend=b))
-        for backend in ("cuda", "auto")}
+        f"prefill_{backend}_us": (
+            lambda b=backend: pw.batch_prefill_paged_window(
+                inp.q,
+                inp.pool,
+                inp.layout,
+                0,
+                inp.plan,
+                sm_scale=bench.SM_SCALE,
+                window_left=w.window_left,
+                out=inp.out,
+                backend=b,
+            )
+        )
+        for backend in ("cuda", "auto")
+    }
     calls["prefill_out_none_us"] = lambda: pw.batch_prefill_paged_window(
-        inp.q, inp.pool, inp.layout, 0, inp.plan, sm_scale=bench.SM_SCALE, window_left=w.window_left,
-        backend="cuda")
+        inp.q, inp.pool, inp.layout, 0, inp.plan, sm_scale=bench.SM_SCALE, window_left=w.window_left, backend="cuda"
+    )
     calls["append_us"] = lambda: pw.append_paged_kv(kv, kv, inp.pool, inp.layout, 0, inp.plan, backend="cuda")
     for backend in flashinfer:
         try:
@@ -101,20 +112,27 @@ def plan_costs(w, inp, device, flashinfer: tuple[str, ...]) -> dict:
     plan = inp.plan
     cuda_csr = bench.Csr(*(t.to(device) for t in inp.csr))
     host_indptr = inp.csr._replace(kv_indices=cuda_csr.kv_indices)
-    lists = ([list(p) for p in plan.pages], plan.last_page_len.tolist(), list(plan.start_positions),
-             list(plan.seq_lens))
-    fns = {"from_csr_ms": lambda: pw.PrefillPagedPlan.from_csr(*inp.csr, **kwargs, device=device),
-           "update_csr_ms": lambda: plan.update_csr(*inp.csr, **kwargs),
-           "update_csr_cuda_inputs_ms": lambda: plan.update_csr(*cuda_csr, **kwargs),
-           "batch_lists_ms": lambda: pw.PrefillPagedPlan.batch(*lists, **kwargs, device=device)}
+    lists = (
+        [list(p) for p in plan.pages],
+        plan.last_page_len.tolist(),
+        list(plan.start_positions),
+        list(plan.seq_lens),
+    )
+    fns = {
+        "from_csr_ms": lambda: pw.PrefillPagedPlan.from_csr(*inp.csr, **kwargs, device=device),
+        "update_csr_ms": lambda: plan.update_csr(*inp.csr, **kwargs),
+        "update_csr_cuda_inputs_ms": lambda: plan.update_csr(*cuda_csr, **kwargs),
+        "batch_lists_ms": lambda: pw.PrefillPagedPlan.batch(*lists, **kwargs, device=device),
+    }
     row = {}
     for backend in flashinfer:
         try:
             wrapper = bench._flashinfer_wrapper(backend, device)
             bench._flashinfer_plan(wrapper, cuda_csr, w)  # builds its module on first use
             fns[f"flashinfer_{backend}_plan_ms"] = lambda wr=wrapper: bench._flashinfer_plan(wr, cuda_csr, w)
-            fns[f"flashinfer_{backend}_plan_host_indptr_ms"] = \
-                lambda wr=wrapper: bench._flashinfer_plan(wr, host_indptr, w)
+            fns[f"flashinfer_{backend}_plan_host_indptr_ms"] = lambda wr=wrapper: bench._flashinfer_plan(
+                wr, host_indptr, w
+            )
         except Exception as exc:  # a peer that fails is reported, not dropped
             row[f"flashinfer_{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
     row.update(host_ms(fns))
@@ -136,9 +154,21 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "rows": rows}, f, indent=1)
-    keys = ["prefill_cuda_us", "prefill_auto_us", "prefill_out_none_us", "append_us", "flashinfer_fa2_run_us",
-            "flashinfer_fa3_run_us", "from_csr_ms", "update_csr_ms", "update_csr_cuda_inputs_ms", "batch_lists_ms",
-            "flashinfer_fa2_plan_ms", "flashinfer_fa2_plan_host_indptr_ms", "flashinfer_fa3_plan_ms"]
+    keys = [
+        "prefill_cuda_us",
+        "prefill_auto_us",
+        "prefill_out_none_us",
+        "append_us",
+        "flashinfer_fa2_run_us",
+        "flashinfer_fa3_run_us",
+        "from_csr_ms",
+        "update_csr_ms",
+        "update_csr_cuda_inputs_ms",
+        "batch_lists_ms",
+        "flashinfer_fa2_plan_ms",
+        "flashinfer_fa2_plan_host_indptr_ms",
+        "flashinfer_fa3_plan_ms",
+    ]
     print("\n| workload | tile | " + " | ".join(keys) + " |")
     print("|---|---|" + "---|" * len(keys))
     for row in rows:

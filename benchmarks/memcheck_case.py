@@ -16,30 +16,62 @@ def main() -> int:
     worst = 0.0
     for tile in (16, 64, 128):
         gen = torch.Generator().manual_seed(tile)
-        case = random_batch(gen, seq_lens=[70, 0, 9], start_positions=[30, 4, 0], page_size=5, num_qo_heads=16,
-                            num_kv_heads=8, head_dim=256, dtype=torch.bfloat16, device="cuda", cta_tile_q=tile)
+        case = random_batch(
+            gen,
+            seq_lens=[70, 0, 9],
+            start_positions=[30, 4, 0],
+            page_size=5,
+            num_qo_heads=16,
+            num_kv_heads=8,
+            head_dim=256,
+            dtype=torch.bfloat16,
+            device="cuda",
+            cta_tile_q=tile,
+        )
         pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan, backend="cuda")
-        out = pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.0625,
-                                            window_left=13, backend="cuda")
-        ref = pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.0625,
-                                            window_left=13, backend="reference")
+        out = pw.batch_prefill_paged_window(
+            case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.0625, window_left=13, backend="cuda"
+        )
+        ref = pw.batch_prefill_paged_window(
+            case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.0625, window_left=13, backend="reference"
+        )
         torch.cuda.synchronize()
         worst = max(worst, (out.float() - ref.float()).abs().max().item())
     # A preallocated plan re-planned in place between launches (the serving path: async upload, fixed tile).
     gen = torch.Generator().manual_seed(1)
-    plan = pw.PrefillPagedPlan.preallocated(max_total_tokens=128, max_total_pages=64, max_batch=4, max_tiles=64,
-                                            device="cuda")
+    plan = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=128, max_total_pages=64, max_batch=4, max_tiles=64, device="cuda"
+    )
     for seqs, starts in (([70, 0, 9], [30, 4, 0]), ([1, 1, 1, 1], [50, 3, 0, 99]), ([0, 0], [5, 9])):
-        case = random_batch(gen, seq_lens=seqs, start_positions=starts, page_size=5, num_qo_heads=16,
-                            num_kv_heads=8, head_dim=256, dtype=torch.bfloat16, device="cuda")
+        case = random_batch(
+            gen,
+            seq_lens=seqs,
+            start_positions=starts,
+            page_size=5,
+            num_qo_heads=16,
+            num_kv_heads=8,
+            head_dim=256,
+            dtype=torch.bfloat16,
+            device="cuda",
+        )
         p = case.plan
-        plan.update_csr(p.qo_indptr, p.page_indptr, p.page_indices, p.last_page_len, num_qo_heads=16,
-                        num_kv_heads=8, head_dim=256, page_size=5)
+        plan.update_csr(
+            p.qo_indptr,
+            p.page_indptr,
+            p.page_indices,
+            p.last_page_len,
+            num_qo_heads=16,
+            num_kv_heads=8,
+            head_dim=256,
+            page_size=5,
+        )
         pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, plan, backend="cuda")
-        out = pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, plan, sm_scale=1.0,
-                                            window_left=1023, backend="cuda")
-        ref = pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, plan, sm_scale=1.0,
-                                            window_left=1023, backend="reference")
+        out = pw.batch_prefill_paged_window(
+            case.q, case.pool, case.layout, case.layer, plan, sm_scale=1.0, window_left=1023, backend="cuda"
+        )
+        ref = pw.batch_prefill_paged_window(
+            case.q, case.pool, case.layout, case.layer, plan, sm_scale=1.0, window_left=1023, backend="reference"
+        )
         torch.cuda.synchronize()
         if out.numel():
             worst = max(worst, (out.float() - ref.float()).abs().max().item() / max(1.0, ref.abs().max().item()))

@@ -36,32 +36,42 @@ def profile(name: str, device: torch.device) -> dict:
     w = bench.WORKLOADS[name]
     inp = bench.make_inputs(w, torch.Generator().manual_seed(0), device)
     kwargs = {k: v for k, v in bench.plan_kwargs(w).items() if v is not None}
-    heads = plan_module._Heads.checked(kwargs["num_qo_heads"], kwargs["num_kv_heads"], kwargs["head_dim"],
-                                       kwargs["page_size"])
+    heads = plan_module._Heads.checked(
+        kwargs["num_qo_heads"], kwargs["num_kv_heads"], kwargs["head_dim"], kwargs["page_size"]
+    )
     given = tuple(inp.csr)
     arrays = plan_module._csr_arrays(*given)
     state, _ = plan_module._state_from_csr(*arrays, heads, None, device, given=given)
     entries = len(state.packed)
-    plan = pw.PrefillPagedPlan.preallocated(max_total_tokens=max(state.total_tokens, 1),
-                                            max_total_pages=state.total_pages, max_batch=state.batch_size,
-                                            max_tiles=max(state.num_tiles, 1), device=device)
+    plan = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=max(state.total_tokens, 1),
+        max_total_pages=state.total_pages,
+        max_batch=state.batch_size,
+        max_tiles=max(state.num_tiles, 1),
+        device=device,
+    )
     plan.update_csr(*given, **kwargs)
     mirror = plan._mirrors[torch.device("cuda", torch.cuda.current_device())]
-    return {"workload": name,
-            "from_csr": host_us(lambda: pw.PrefillPagedPlan.from_csr(*given, **kwargs, device=device)),
-            "from_csr_unpooled": host_us(lambda: (plan_module.release_pooled_plan_buffers(),
-                                                  pw.PrefillPagedPlan.from_csr(*given, **kwargs, device=device))),
-            "from_csr_cpu": host_us(lambda: pw.PrefillPagedPlan.from_csr(*given, **kwargs, device="cpu")),
-            "update_csr": host_us(lambda: plan.update_csr(*given, **kwargs)),
-            "csr_arrays": host_us(lambda: plan_module._csr_arrays(*given)),
-            "state_from_csr": host_us(lambda: plan_module._state_from_csr(*arrays, heads, None, device,
-                                                                          given=given)),
-            "upload": host_us(lambda: mirror.upload(state, plan.capacity)),
-            "mirror_new": host_us(lambda: plan_module._DeviceMirror(plan.capacity, device)),
-            "device_empty": host_us(lambda: torch.empty(entries, dtype=torch.int32, device=device)),
-            "pinned_empty": host_us(lambda: torch.empty(entries, dtype=torch.int32, pin_memory=True)),
-            "event_record": host_us(lambda: torch.cuda.Event().record()),
-            "np_empty": host_us(lambda: np.empty(entries, dtype=np.int32))}
+    return {
+        "workload": name,
+        "from_csr": host_us(lambda: pw.PrefillPagedPlan.from_csr(*given, **kwargs, device=device)),
+        "from_csr_unpooled": host_us(
+            lambda: (
+                plan_module.release_pooled_plan_buffers(),
+                pw.PrefillPagedPlan.from_csr(*given, **kwargs, device=device),
+            )
+        ),
+        "from_csr_cpu": host_us(lambda: pw.PrefillPagedPlan.from_csr(*given, **kwargs, device="cpu")),
+        "update_csr": host_us(lambda: plan.update_csr(*given, **kwargs)),
+        "csr_arrays": host_us(lambda: plan_module._csr_arrays(*given)),
+        "state_from_csr": host_us(lambda: plan_module._state_from_csr(*arrays, heads, None, device, given=given)),
+        "upload": host_us(lambda: mirror.upload(state, plan.capacity)),
+        "mirror_new": host_us(lambda: plan_module._DeviceMirror(plan.capacity, device)),
+        "device_empty": host_us(lambda: torch.empty(entries, dtype=torch.int32, device=device)),
+        "pinned_empty": host_us(lambda: torch.empty(entries, dtype=torch.int32, pin_memory=True)),
+        "event_record": host_us(lambda: torch.cuda.Event().record()),
+        "np_empty": host_us(lambda: np.empty(entries, dtype=np.int32)),
+    }
 
 
 def main() -> None:

@@ -22,8 +22,24 @@ def build(directory: Path) -> ctypes.CDLL:
     if compiler is None:
         pytest.fail("no C++ compiler (c++ / g++) on PATH: the compiled host pass cannot be tested")
     out = directory / "libpw_plan_pack.so"
-    subprocess.run([compiler, "-O3", "-std=c++17", "-Wall", "-Werror", "-shared", "-fPIC", "-DPW_HOST_ONLY",
-                    str(SOURCE), "-o", str(out)], check=True, capture_output=True, text=True)
+    subprocess.run(
+        [
+            compiler,
+            "-O3",
+            "-std=c++17",
+            "-Wall",
+            "-Werror",
+            "-shared",
+            "-fPIC",
+            "-DPW_HOST_ONLY",
+            str(SOURCE),
+            "-o",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
     return host_pass.declare(ctypes.CDLL(str(out)))
 
 
@@ -49,8 +65,9 @@ def install(request, tmp_path_factory):
         yield request.param
     finally:
         plan_module._host_pass_library = saved
-    assert host_pass.PACK_OK in counting.statuses, \
+    assert host_pass.PACK_OK in counting.statuses, (
         f"the compiled pass never packed a plan in this module: statuses {sorted(set(counting.statuses))}"
+    )
 
 
 class Counting:

@@ -17,8 +17,16 @@ HQ, HKV, D, PS = 4, 2, 8, 4
 @pytest.fixture
 def case():
     gen = torch.Generator().manual_seed(7)
-    return random_batch(gen, seq_lens=[5, 3], start_positions=[2, 0], page_size=PS, num_qo_heads=HQ,
-                        num_kv_heads=HKV, head_dim=D, dtype=torch.float32)
+    return random_batch(
+        gen,
+        seq_lens=[5, 3],
+        start_positions=[2, 0],
+        page_size=PS,
+        num_qo_heads=HQ,
+        num_kv_heads=HKV,
+        head_dim=D,
+        dtype=torch.float32,
+    )
 
 
 def expect_refusal(fn, fragment, *watched):
@@ -33,17 +41,26 @@ def expect_refusal(fn, fragment, *watched):
 
 def prefill_call(case, **overrides):
     out = overrides.pop("out_tensor", None)
-    args = dict(q=case.q, pool=case.pool, layout=case.layout, layer=case.layer, plan=case.plan, sm_scale=0.5,
-                window_left=3, out=out, backend="reference")
+    args = dict(
+        q=case.q,
+        pool=case.pool,
+        layout=case.layout,
+        layer=case.layer,
+        plan=case.plan,
+        sm_scale=0.5,
+        window_left=3,
+        out=out,
+        backend="reference",
+    )
     args.update(overrides)
-    return lambda: pw.batch_prefill_paged_window(args.pop("q"), args.pop("pool"), args.pop("layout"),
-                                                 args.pop("layer"), args.pop("plan"), **args)
+    return lambda: pw.batch_prefill_paged_window(
+        args.pop("q"), args.pop("pool"), args.pop("layout"), args.pop("layer"), args.pop("plan"), **args
+    )
 
 
 def other_plan(case, **changes):
     p = case.plan
-    args = dict(num_qo_heads=p.num_qo_heads, num_kv_heads=p.num_kv_heads, head_dim=p.head_dim,
-                page_size=p.page_size)
+    args = dict(num_qo_heads=p.num_qo_heads, num_kv_heads=p.num_kv_heads, head_dim=p.head_dim, page_size=p.page_size)
     args.update(changes)
     return args
 
@@ -52,20 +69,26 @@ def full(shape, value=7.0, dtype=torch.float32):
     return torch.full(shape, value, dtype=dtype)
 
 
-@pytest.mark.parametrize("sm_scale, fragment", [(None, "sm_scale must be a real number"), (0.0, "sm_scale = 0.0"),
-                                                (-1.0, "sm_scale = -1.0"), (math.nan, "sm_scale = nan"),
-                                                (math.inf, "sm_scale = inf"), (True, "sm_scale must be a real"),
-                                                ("1", "sm_scale must be a real number"),
-                                                # finite in float64 but not a usable fp32 scale: the message
-                                                # names the value and the fp32 bounds it is checked against
-                                                (1e39, ("sm_scale = 1e+39 is too large for fp32",
-                                                        "(bound 2.35866e+38)")),
-                                                (3e38, "sm_scale = 3e+38 is too large for fp32: sm_scale * log2(e) "
-                                                       "must stay finite"),
-                                                (1e-46, ("sm_scale = 1e-46 is below fp32's smallest normal number",
-                                                         "would round to a subnormal or 0")),
-                                                (1e-39, "sm_scale = 1e-39 is below fp32's smallest normal"),
-                                                (-1e-46, "sm_scale = -1e-46"), (-math.inf, "sm_scale = -inf")])
+@pytest.mark.parametrize(
+    "sm_scale, fragment",
+    [
+        (None, "sm_scale must be a real number"),
+        (0.0, "sm_scale = 0.0"),
+        (-1.0, "sm_scale = -1.0"),
+        (math.nan, "sm_scale = nan"),
+        (math.inf, "sm_scale = inf"),
+        (True, "sm_scale must be a real"),
+        ("1", "sm_scale must be a real number"),
+        # finite in float64 but not a usable fp32 scale: the message
+        # names the value and the fp32 bounds it is checked against
+        (1e39, ("sm_scale = 1e+39 is too large for fp32", "(bound 2.35866e+38)")),
+        (3e38, "sm_scale = 3e+38 is too large for fp32: sm_scale * log2(e) must stay finite"),
+        (1e-46, ("sm_scale = 1e-46 is below fp32's smallest normal number", "would round to a subnormal or 0")),
+        (1e-39, "sm_scale = 1e-39 is below fp32's smallest normal"),
+        (-1e-46, "sm_scale = -1e-46"),
+        (-math.inf, "sm_scale = -inf"),
+    ],
+)
 def test_bad_sm_scale(case, sm_scale, fragment):
     out = full(case.q.shape)
     first, *rest = (fragment,) if isinstance(fragment, str) else fragment
@@ -74,10 +97,15 @@ def test_bad_sm_scale(case, sm_scale, fragment):
         assert part in message, message
 
 
-@pytest.mark.parametrize("window_left, fragment", [(-2, "window_left = -2 is below its minimum -1"),
-                                                   (2**31, "window_left = 2147483648 does not fit in int32"),
-                                                   (1.5, "window_left must be an integer"),
-                                                   (False, "window_left must be an integer")])
+@pytest.mark.parametrize(
+    "window_left, fragment",
+    [
+        (-2, "window_left = -2 is below its minimum -1"),
+        (2**31, "window_left = 2147483648 does not fit in int32"),
+        (1.5, "window_left must be an integer"),
+        (False, "window_left must be an integer"),
+    ],
+)
 def test_bad_window_left(case, window_left, fragment):
     out = full(case.q.shape)
     expect_refusal(prefill_call(case, window_left=window_left, out_tensor=out), fragment, out, case.pool)
@@ -86,11 +114,17 @@ def test_bad_window_left(case, window_left, fragment):
 def test_plan_page_id_past_the_pool(case):
     small_pool = case.pool[: case.plan.max_page_index].clone()  # the largest page id is one past the end
     out = full(case.q.shape)
-    expect_refusal(prefill_call(case, pool=small_pool, out_tensor=out),
-                   f"plan page id {case.plan.max_page_index} is past the pool's {case.plan.max_page_index} pages",
-                   out, small_pool)
-    expect_refusal(lambda: pw.append_paged_kv(case.k, case.v, small_pool, case.layout, case.layer, case.plan),
-                   "is past the pool's", small_pool)
+    expect_refusal(
+        prefill_call(case, pool=small_pool, out_tensor=out),
+        f"plan page id {case.plan.max_page_index} is past the pool's {case.plan.max_page_index} pages",
+        out,
+        small_pool,
+    )
+    expect_refusal(
+        lambda: pw.append_paged_kv(case.k, case.v, small_pool, case.layout, case.layer, case.plan),
+        "is past the pool's",
+        small_pool,
+    )
 
 
 def test_oversized_last_page(case):
@@ -98,26 +132,45 @@ def test_oversized_last_page(case):
     plan = pw.PrefillPagedPlan.single([0], 6, 0, 6, **other_plan(case, page_size=8))
     out = full((6, HQ, D))
     q = torch.randn(6, HQ, D)
-    expect_refusal(prefill_call(case, plan=plan, q=q, out_tensor=out), "plan last_page_len 6 exceeds page_size 4",
-                   out, case.pool)
-    expect_refusal(lambda: pw.append_paged_kv(torch.randn(6, HKV, D), torch.randn(6, HKV, D), case.pool,
-                                              case.layout, case.layer, plan), "exceeds page_size 4", case.pool)
+    expect_refusal(
+        prefill_call(case, plan=plan, q=q, out_tensor=out), "plan last_page_len 6 exceeds page_size 4", out, case.pool
+    )
+    expect_refusal(
+        lambda: pw.append_paged_kv(
+            torch.randn(6, HKV, D), torch.randn(6, HKV, D), case.pool, case.layout, case.layer, plan
+        ),
+        "exceeds page_size 4",
+        case.pool,
+    )
 
 
 def test_plan_page_size_disagrees(case):
     plan = pw.PrefillPagedPlan.single([0, 1], 1, 0, 3, **other_plan(case, page_size=2))
     out = full((3, HQ, D))
-    expect_refusal(prefill_call(case, plan=plan, q=torch.randn(3, HQ, D), out_tensor=out),
-                   "plan.page_size 2 disagrees with the pool's 4", out, case.pool)
+    expect_refusal(
+        prefill_call(case, plan=plan, q=torch.randn(3, HQ, D), out_tensor=out),
+        "plan.page_size 2 disagrees with the pool's 4",
+        out,
+        case.pool,
+    )
 
 
-@pytest.mark.parametrize("change, fragment", [(dict(head_dim=16), "head_dim 16 disagrees with layout.head_dim 8"),
-                                              (dict(num_kv_heads=4), "num_kv_heads 4 disagrees"),
-                                              (dict(num_qo_heads=8), "q shape (8, 4, 8) must be [rows, 8, 8]")])
+@pytest.mark.parametrize(
+    "change, fragment",
+    [
+        (dict(head_dim=16), "head_dim 16 disagrees with layout.head_dim 8"),
+        (dict(num_kv_heads=4), "num_kv_heads 4 disagrees"),
+        (dict(num_qo_heads=8), "q shape (8, 4, 8) must be [rows, 8, 8]"),
+    ],
+)
 def test_plan_heads_disagree_with_layout_or_q(case, change, fragment):
-    plan = pw.PrefillPagedPlan.batch([case.plan.pages[0], case.plan.pages[1]], list(case.plan.last_page_len.tolist()),
-                                     list(case.plan.start_positions), list(case.plan.seq_lens),
-                                     **other_plan(case, **change))
+    plan = pw.PrefillPagedPlan.batch(
+        [case.plan.pages[0], case.plan.pages[1]],
+        list(case.plan.last_page_len.tolist()),
+        list(case.plan.start_positions),
+        list(case.plan.seq_lens),
+        **other_plan(case, **change),
+    )
     out = full(case.q.shape)
     expect_refusal(prefill_call(case, plan=plan, out_tensor=out), fragment, out, case.pool)
 
@@ -126,8 +179,9 @@ def test_unfilled_plan_and_non_plan(case):
     empty = pw.PrefillPagedPlan.preallocated(max_total_tokens=8, max_total_pages=8, max_batch=2, max_tiles=2)
     out = full(case.q.shape)
     expect_refusal(prefill_call(case, plan=empty, out_tensor=out), "never filled", out, case.pool)
-    expect_refusal(lambda: pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, empty),
-                   "never filled", case.pool)
+    expect_refusal(
+        lambda: pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, empty), "never filled", case.pool
+    )
     expect_refusal(prefill_call(case, plan={"batch": 1}, out_tensor=out), "plan must be a PrefillPagedPlan", out)
 
 
@@ -136,26 +190,32 @@ def test_bad_layer(case):
     expect_refusal(prefill_call(case, layer=2, out_tensor=out), "layer 2 is out of range [0, 2)", out, case.pool)
 
 
-@pytest.mark.parametrize("make_q, fragment", [
-    (lambda c: c.q[:-1], "q has 7 rows; the plan needs 8"),
-    (lambda c: c.q[:, :2], "q shape (8, 2, 8) must be [rows, 4, 8]"),
-    (lambda c: c.q.double(), "q dtype torch.float64 must be torch.float32"),
-    (lambda c: c.q.transpose(0, 1).contiguous().transpose(0, 1), "q must be contiguous"),
-    (lambda c: c.q.to("meta"), "q is on meta but the pool is on cpu"),
-    (lambda c: c.q.tolist(), "q must be a torch.Tensor"),
-])
+@pytest.mark.parametrize(
+    "make_q, fragment",
+    [
+        (lambda c: c.q[:-1], "q has 7 rows; the plan needs 8"),
+        (lambda c: c.q[:, :2], "q shape (8, 2, 8) must be [rows, 4, 8]"),
+        (lambda c: c.q.double(), "q dtype torch.float64 must be torch.float32"),
+        (lambda c: c.q.transpose(0, 1).contiguous().transpose(0, 1), "q must be contiguous"),
+        (lambda c: c.q.to("meta"), "q is on meta but the pool is on cpu"),
+        (lambda c: c.q.tolist(), "q must be a torch.Tensor"),
+    ],
+)
 def test_bad_q(case, make_q, fragment):
     out = full(case.q.shape)
     expect_refusal(prefill_call(case, q=make_q(case), out_tensor=out), fragment, out, case.pool)
 
 
-@pytest.mark.parametrize("make_out, fragment", [
-    (lambda c: full((7, HQ, D)), "out has 7 rows; the plan needs 8"),
-    (lambda c: full((8, HQ, D), dtype=torch.float16), "out dtype torch.float16 must be torch.float32"),
-    (lambda c: full((8, D, HQ)).transpose(1, 2), "out must be contiguous"),
-    (lambda c: c.q, "out overlaps q"),
-    (lambda c: c.pool.view(-1)[: 8 * HQ * D].view(8, HQ, D), "out overlaps pool"),
-])
+@pytest.mark.parametrize(
+    "make_out, fragment",
+    [
+        (lambda c: full((7, HQ, D)), "out has 7 rows; the plan needs 8"),
+        (lambda c: full((8, HQ, D), dtype=torch.float16), "out dtype torch.float16 must be torch.float32"),
+        (lambda c: full((8, D, HQ)).transpose(1, 2), "out must be contiguous"),
+        (lambda c: c.q, "out overlaps q"),
+        (lambda c: c.pool.view(-1)[: 8 * HQ * D].view(8, HQ, D), "out overlaps pool"),
+    ],
+)
 def test_bad_out(case, make_out, fragment):
     out = make_out(case)
     expect_refusal(prefill_call(case, out_tensor=out), fragment, out, case.pool, case.q)
@@ -164,8 +224,13 @@ def test_bad_out(case, make_out, fragment):
 def test_bad_lse(case):
     out = full(case.q.shape)
     lse = full((8, HQ), dtype=torch.float64)
-    expect_refusal(prefill_call(case, out_tensor=out, lse=lse), "lse dtype torch.float64 must be torch.float32",
-                   out, lse, case.pool)
+    expect_refusal(
+        prefill_call(case, out_tensor=out, lse=lse),
+        "lse dtype torch.float64 must be torch.float32",
+        out,
+        lse,
+        case.pool,
+    )
     lse = full((8, HQ + 1))
     expect_refusal(prefill_call(case, out_tensor=out, lse=lse), "lse shape (8, 5) must be [rows, 4]", out, lse)
 
@@ -174,27 +239,33 @@ def test_bad_backend(case):
     out = full(case.q.shape)
     expect_refusal(prefill_call(case, backend="triton", out_tensor=out), "backend 'triton' is not one of", out)
     expect_refusal(prefill_call(case, backend="cuda", out_tensor=out), "backend 'cuda' needs tensors on a CUDA", out)
-    expect_refusal(lambda: pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan,
-                                              backend="cuda"), "needs tensors on a CUDA device", case.pool)
+    expect_refusal(
+        lambda: pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan, backend="cuda"),
+        "needs tensors on a CUDA device",
+        case.pool,
+    )
 
 
 # -- pool write ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("which, make, fragment", [
-    ("k", lambda c: c.k[:-1], "k has 7 rows; the plan needs 8"),
-    ("v", lambda c: c.v[:, :1], "v shape (8, 1, 8) must be [rows, 2, 8]"),
-    ("k", lambda c: c.k.half(), "k dtype torch.float16 must be torch.float32"),
-    ("v", lambda c: c.v.transpose(0, 1).contiguous().transpose(0, 1), "v must be contiguous"),
-    ("k", lambda c: c.pool.view(-1)[: 8 * HKV * D].view(8, HKV, D), "pool overlaps k"),
-])
+
+@pytest.mark.parametrize(
+    "which, make, fragment",
+    [
+        ("k", lambda c: c.k[:-1], "k has 7 rows; the plan needs 8"),
+        ("v", lambda c: c.v[:, :1], "v shape (8, 1, 8) must be [rows, 2, 8]"),
+        ("k", lambda c: c.k.half(), "k dtype torch.float16 must be torch.float32"),
+        ("v", lambda c: c.v.transpose(0, 1).contiguous().transpose(0, 1), "v must be contiguous"),
+        ("k", lambda c: c.pool.view(-1)[: 8 * HKV * D].view(8, HKV, D), "pool overlaps k"),
+    ],
+)
 def test_bad_append_inputs(case, which, make, fragment):
     k, v = case.k, case.v
     if which == "k":
         k = make(case)
     else:
         v = make(case)
-    expect_refusal(lambda: pw.append_paged_kv(k, v, case.pool, case.layout, case.layer, case.plan), fragment,
-                   case.pool)
+    expect_refusal(lambda: pw.append_paged_kv(k, v, case.pool, case.layout, case.layer, case.plan), fragment, case.pool)
 
 
 def test_colliding_new_rows_are_refused_when_the_plan_is_built(case):
@@ -204,8 +275,9 @@ def test_colliding_new_rows_are_refused_when_the_plan_is_built(case):
     assert "requests 0 and 1 both write page 0 slot 0" in str(err.value)
     with pytest.raises(pw.PagedWindowError) as err:  # new rows over another request's cached prefix
         pw.PrefillPagedPlan.batch([[0, 1], [0]], [1, 2], [4, 0], [1, 2], **other_plan(case))
-    assert ("request 1 writes new rows into page 0 slot 0, which request 0 reads as cached prefix (slots 0..3)"
-            in str(err.value))
+    assert "request 1 writes new rows into page 0 slot 0, which request 0 reads as cached prefix (slots 0..3)" in str(
+        err.value
+    )
 
 
 def test_append_with_a_shared_read_only_prefix(case):
@@ -222,14 +294,21 @@ def test_append_with_a_shared_read_only_prefix(case):
 
 
 def test_append_pool_geometry_refusal(case):
-    expect_refusal(lambda: pw.append_paged_kv(case.k, case.v, case.pool, case.layout, 5, case.plan),
-                   "append_paged_kv: layer 5 is out of range", case.pool)
+    expect_refusal(
+        lambda: pw.append_paged_kv(case.k, case.v, case.pool, case.layout, 5, case.plan),
+        "append_paged_kv: layer 5 is out of range",
+        case.pool,
+    )
     wrong = pw.PagedKvLayout(2, HKV, D, 8)
-    expect_refusal(lambda: pw.append_paged_kv(case.k, case.v, case.pool, wrong, 0, case.plan),
-                   "append_paged_kv: pool shape", case.pool)
+    expect_refusal(
+        lambda: pw.append_paged_kv(case.k, case.v, case.pool, wrong, 0, case.plan),
+        "append_paged_kv: pool shape",
+        case.pool,
+    )
 
 
 # -- autograd and inference mode -------------------------------------------------------------------------------
+
 
 def appended(case):
     pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan)
@@ -239,23 +318,34 @@ def appended(case):
 def test_out_or_lse_that_requires_grad_is_refused(case):
     appended(case)
     out = torch.randn(case.q.shape, requires_grad=True)
-    expect_refusal(prefill_call(case, out_tensor=out),
-                   "batch_prefill_paged_window: out requires grad; the op writes it in place and is not "
-                   "differentiable", out, case.pool)
+    expect_refusal(
+        prefill_call(case, out_tensor=out),
+        "batch_prefill_paged_window: out requires grad; the op writes it in place and is not differentiable",
+        out,
+        case.pool,
+    )
     leaf = torch.randn(case.q.shape, requires_grad=True)
     view = leaf[:]  # a non-leaf view that autograd tracks
     expect_refusal(prefill_call(case, out_tensor=view), "out requires grad", view, leaf, case.pool)
     out = torch.randn(case.q.shape)
     lse = torch.randn(case.q.shape[:2], requires_grad=True)
-    expect_refusal(prefill_call(case, out_tensor=out, lse=lse), "batch_prefill_paged_window: lse requires grad",
-                   out, lse, case.pool)
+    expect_refusal(
+        prefill_call(case, out_tensor=out, lse=lse),
+        "batch_prefill_paged_window: lse requires grad",
+        out,
+        lse,
+        case.pool,
+    )
     expect_refusal(prefill_call(case, lse=lse), "lse requires grad", lse, case.pool)
 
 
 def test_pool_that_requires_grad_is_refused_by_append(case):
     pool = case.pool.clone().requires_grad_()
-    expect_refusal(lambda: pw.append_paged_kv(case.k, case.v, pool, case.layout, case.layer, case.plan),
-                   "append_paged_kv: pool requires grad; the op writes it in place", pool)
+    expect_refusal(
+        lambda: pw.append_paged_kv(case.k, case.v, pool, case.layout, case.layer, case.plan),
+        "append_paged_kv: pool requires grad; the op writes it in place",
+        pool,
+    )
 
 
 def test_inputs_that_require_grad_are_read_detached(case):
@@ -291,14 +381,20 @@ def test_inference_tensors_are_written_only_inside_inference_mode(case):
         out = torch.randn(case.q.shape)
         lse = torch.randn(case.q.shape[:2])
         pool = case.pool.clone()
-    expect_refusal(prefill_call(case, out_tensor=out),
-                   "batch_prefill_paged_window: out was made under torch.inference_mode() and may only be written "
-                   "inside inference mode", out, case.pool)
+    expect_refusal(
+        prefill_call(case, out_tensor=out),
+        "batch_prefill_paged_window: out was made under torch.inference_mode() and may only be written "
+        "inside inference mode",
+        out,
+        case.pool,
+    )
     expect_refusal(prefill_call(case, lse=lse), "lse was made under torch.inference_mode()", lse, case.pool)
     k, v = torch.randn(case.k.shape), torch.randn(case.v.shape)
-    expect_refusal(lambda: pw.append_paged_kv(k, v, pool, case.layout, case.layer, case.plan),
-                   "append_paged_kv: pool was made under torch.inference_mode() and may only be written inside "
-                   "inference mode", pool)
+    expect_refusal(
+        lambda: pw.append_paged_kv(k, v, pool, case.layout, case.layer, case.plan),
+        "append_paged_kv: pool was made under torch.inference_mode() and may only be written inside inference mode",
+        pool,
+    )
     with torch.inference_mode():
         got = prefill_call(case, out_tensor=out, lse=lse)()
         assert torch.equal(got, want) and torch.equal(out, want)
@@ -314,10 +410,12 @@ def test_inference_tensors_are_written_only_inside_inference_mode(case):
 
 # -- sm_scale is used as fp32 --------------------------------------------------------------------------------
 
+
 def test_the_scale_is_rounded_to_fp32():
     gen = torch.Generator().manual_seed(13)
-    case = random_batch(gen, seq_lens=[6, 3], start_positions=[3, 0], page_size=PS, num_qo_heads=HQ,
-                        num_kv_heads=HKV, head_dim=D)  # float64: a scale change of 1e-8 shows
+    case = random_batch(
+        gen, seq_lens=[6, 3], start_positions=[3, 0], page_size=PS, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D
+    )  # float64: a scale change of 1e-8 shows
     appended(case)
     rounded = float(np.float32(0.1))
     assert rounded != 0.1 and check_sm_scale(0.1) == rounded
@@ -327,8 +425,9 @@ def test_the_scale_is_rounded_to_fp32():
     torch.testing.assert_close(got, dense_attention(case, sm_scale=rounded, window_left=3), rtol=0, atol=1e-13)
     unrounded = torch.empty_like(got)
     geometry = pw.checked_paged_geometry("test", case.layout, case.pool, case.layer, D, HKV)
-    reference.batch_prefill_paged_window(case.q, case.pool, geometry, case.plan, sm_scale=0.1, window_left=3,
-                                         out=unrounded)
+    reference.batch_prefill_paged_window(
+        case.q, case.pool, geometry, case.plan, sm_scale=0.1, window_left=3, out=unrounded
+    )
     assert (unrounded - got).abs().max() > 1e-10, "the rounding is visible in float64"
 
 
@@ -350,11 +449,20 @@ def test_scale_bounds_in_fp32():
 
 # -- plans with no new rows ----------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def idle_case():
     gen = torch.Generator().manual_seed(17)
-    return random_batch(gen, seq_lens=[0, 0, 0], start_positions=[5, 3, 8], page_size=PS, num_qo_heads=HQ,
-                        num_kv_heads=HKV, head_dim=D, dtype=torch.float32)
+    return random_batch(
+        gen,
+        seq_lens=[0, 0, 0],
+        start_positions=[5, 3, 8],
+        page_size=PS,
+        num_qo_heads=HQ,
+        num_kv_heads=HKV,
+        head_dim=D,
+        dtype=torch.float32,
+    )
 
 
 @pytest.mark.parametrize("backend", ["reference", "auto"])
@@ -371,12 +479,19 @@ def test_zero_token_prefill_returns_at_once(idle_case, backend):
     assert got.shape == (0, HQ, D) and got.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()
     assert torch.equal(out, out_before) and torch.equal(lse, lse_before) and torch.equal(c.pool, pool)
     # the checks still run first
-    expect_refusal(prefill_call(c, backend=backend, sm_scale=1e39, out_tensor=out), "sm_scale = 1e+39", out,
-                   c.pool)
-    expect_refusal(prefill_call(c, backend=backend, q=torch.randn(0, HQ + 1, D), out_tensor=out),
-                   "q shape (0, 5, 8) must be [rows, 4, 8]", out, c.pool)
-    expect_refusal(prefill_call(c, backend=backend, out_tensor=torch.randn(4, HQ, D, requires_grad=True)),
-                   "out requires grad", out, c.pool)
+    expect_refusal(prefill_call(c, backend=backend, sm_scale=1e39, out_tensor=out), "sm_scale = 1e+39", out, c.pool)
+    expect_refusal(
+        prefill_call(c, backend=backend, q=torch.randn(0, HQ + 1, D), out_tensor=out),
+        "q shape (0, 5, 8) must be [rows, 4, 8]",
+        out,
+        c.pool,
+    )
+    expect_refusal(
+        prefill_call(c, backend=backend, out_tensor=torch.randn(4, HQ, D, requires_grad=True)),
+        "out requires grad",
+        out,
+        c.pool,
+    )
 
 
 @pytest.mark.parametrize("backend", ["reference", "auto"])
@@ -389,11 +504,17 @@ def test_zero_token_append_writes_nothing(idle_case, backend):
     k, v = torch.randn(3, HKV, D), torch.randn(3, HKV, D)
     pw.append_paged_kv(k, v, c.pool, c.layout, c.layer, c.plan, backend=backend)
     assert torch.equal(c.pool, pool)
-    expect_refusal(lambda: pw.append_paged_kv(k.double(), v, c.pool, c.layout, c.layer, c.plan, backend=backend),
-                   "k dtype torch.float64 must be torch.float32", c.pool)
+    expect_refusal(
+        lambda: pw.append_paged_kv(k.double(), v, c.pool, c.layout, c.layer, c.plan, backend=backend),
+        "k dtype torch.float64 must be torch.float32",
+        c.pool,
+    )
     grad_pool = c.pool.clone().requires_grad_()
-    expect_refusal(lambda: pw.append_paged_kv(k, v, grad_pool, c.layout, c.layer, c.plan, backend=backend),
-                   "pool requires grad", grad_pool)
+    expect_refusal(
+        lambda: pw.append_paged_kv(k, v, grad_pool, c.layout, c.layer, c.plan, backend=backend),
+        "pool requires grad",
+        grad_pool,
+    )
 
 
 def test_zero_token_plan_through_csr_and_preallocated(idle_case):

@@ -28,18 +28,27 @@ def dense_visible_pairs(w: bench.Workload) -> int:
 
 
 # -- counting ------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name, pairs", [("prefill_1x8192", 7_864_832), ("prefill_8x2048", 12_587_008),
-                                         ("chunk_2048_on_6144", 2_097_152), ("decode_64x4096", 65_536),
-                                         ("decode_256x2000_p32", 256 * 1024), ("prompts_32x128", 32 * 128 * 129 // 2),
-                                         ("chunk_512_on_30000", 512 * 1024)])
+@pytest.mark.parametrize(
+    "name, pairs",
+    [
+        ("prefill_1x8192", 7_864_832),
+        ("prefill_8x2048", 12_587_008),
+        ("chunk_2048_on_6144", 2_097_152),
+        ("decode_64x4096", 65_536),
+        ("decode_256x2000_p32", 256 * 1024),
+        ("prompts_32x128", 32 * 128 * 129 // 2),
+        ("chunk_512_on_30000", 512 * 1024),
+    ],
+)
 def test_visible_pairs_of_the_workloads(name, pairs):
     w = bench.WORKLOADS[name]
     assert w.visible_pairs() == pairs
     assert w.useful_flops() == 4 * 256 * 16 * pairs
 
 
-@pytest.mark.parametrize("name", ["decode_256x2000_p32", "prompts_32x128", "chunk_512_on_30000",
-                                  "chunk_2048_on_6144", "decode_64x4096"])
+@pytest.mark.parametrize(
+    "name", ["decode_256x2000_p32", "prompts_32x128", "chunk_512_on_30000", "chunk_2048_on_6144", "decode_64x4096"]
+)
 def test_visible_pairs_of_the_workloads_match_a_dense_mask(name):
     assert bench.WORKLOADS[name].visible_pairs() == dense_visible_pairs(bench.WORKLOADS[name])
 
@@ -112,6 +121,7 @@ def test_e2e_and_host_times_are_per_call_wall_clock():
         def run():
             counts[i] += 1
             time.sleep(0.002)
+
         return run
 
     ms = bench.e2e_ms([call(0), call(1)], iters=4, loops=3, synchronize=lambda: syncs.append(1))
@@ -121,10 +131,19 @@ def test_e2e_and_host_times_are_per_call_wall_clock():
 
 
 # -- names ---------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name, slug", [
-    ("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100-80gb-hbm3"), ("NVIDIA H200 NVL", "h200-nvl"),
-    ("NVIDIA GeForce RTX 4090", "geforce-rtx-4090"), ("AMD Instinct MI300X", "instinct-mi300x"), ("NVIDIA", "nvidia"),
-    ("Tesla V100-SXM2-16GB", "tesla-v100-sxm2-16gb"), ("  ", "gpu")])
+@pytest.mark.parametrize(
+    "name, slug",
+    [
+        ("NVIDIA H200", "h200"),
+        ("NVIDIA H100 80GB HBM3", "h100-80gb-hbm3"),
+        ("NVIDIA H200 NVL", "h200-nvl"),
+        ("NVIDIA GeForce RTX 4090", "geforce-rtx-4090"),
+        ("AMD Instinct MI300X", "instinct-mi300x"),
+        ("NVIDIA", "nvidia"),
+        ("Tesla V100-SXM2-16GB", "tesla-v100-sxm2-16gb"),
+        ("  ", "gpu"),
+    ],
+)
 def test_gpu_slug(name, slug):
     assert bench.gpu_slug(name) == slug
 
@@ -141,22 +160,52 @@ def test_result_names_are_found_by_the_results_reader(tmp_path):
 
 # -- reporting -----------------------------------------------------------------------------------------------------
 def _record(system, e2e, ms, plan=None, update=None, **extra):
-    return {"system": system, "workload": "prefill_1x8192", "e2e_ms": e2e, "ms": ms, "plan_ms": plan,
-            "update_plan_ms": update, "useful_tflops": None if ms is None else 0.1288 / ms,
-            "max_abs_err": None if ms is None else 0.0156, "err_bound": None if ms is None else 0.05,
-            "status": "ok", **extra}
+    return {
+        "system": system,
+        "workload": "prefill_1x8192",
+        "e2e_ms": e2e,
+        "ms": ms,
+        "plan_ms": plan,
+        "update_plan_ms": update,
+        "useful_tflops": None if ms is None else 0.1288 / ms,
+        "max_abs_err": None if ms is None else 0.0156,
+        "err_bound": None if ms is None else 0.05,
+        "status": "ok",
+        **extra,
+    }
 
 
-RESULT = {"gpu": "NVIDIA H200", "date": "2026-12-02", "peak_bf16_tflops": 800.0, "tile_override": None,
-          "allocations_per_10_calls": {"prefill_1x8192": 0},
-          "records": [
-              _record("pagedwindow", 0.45, 0.4, 0.05, 0.01, cta_tile_q=128,
-                      plan_inputs=dict.fromkeys(bench.Csr._fields, "cpu"), plan_status="from_csr"),
-              _record("flashinfer_fa2", 0.7, 0.6, 0.2, plan_ms_host_indptr=0.1,
-                      plan_inputs=dict.fromkeys(bench.Csr._fields, "cuda"), plan_status="wrapper.plan"),
-              _record("flashinfer_fa3", 0.6, 0.5, 0.3, plan_ms_host_indptr=0.15),
-              _record("sdpa", 4.5, 4.0, plan_inputs=None, plan_status="not applicable"),
-              {**_record("flex", None, None), "status": "missing: No module named 'x'"}]}
+RESULT = {
+    "gpu": "NVIDIA H200",
+    "date": "2026-12-02",
+    "peak_bf16_tflops": 800.0,
+    "tile_override": None,
+    "allocations_per_10_calls": {"prefill_1x8192": 0},
+    "records": [
+        _record(
+            "pagedwindow",
+            0.45,
+            0.4,
+            0.05,
+            0.01,
+            cta_tile_q=128,
+            plan_inputs=dict.fromkeys(bench.Csr._fields, "cpu"),
+            plan_status="from_csr",
+        ),
+        _record(
+            "flashinfer_fa2",
+            0.7,
+            0.6,
+            0.2,
+            plan_ms_host_indptr=0.1,
+            plan_inputs=dict.fromkeys(bench.Csr._fields, "cuda"),
+            plan_status="wrapper.plan",
+        ),
+        _record("flashinfer_fa3", 0.6, 0.5, 0.3, plan_ms_host_indptr=0.15),
+        _record("sdpa", 4.5, 4.0, plan_inputs=None, plan_status="not applicable"),
+        {**_record("flex", None, None), "status": "missing: No module named 'x'"},
+    ],
+}
 
 
 def test_ratios_to_flashinfers_best():
@@ -164,8 +213,10 @@ def test_ratios_to_flashinfers_best():
     e2e, kernel = ratios["prefill_1x8192", "pagedwindow"]
     assert e2e == pytest.approx(0.45 / 0.6) and kernel == pytest.approx(0.4 / 0.5)  # best: fa3 on both
     mixed = [_record("flashinfer_fa2", 0.5, 0.6), _record("flashinfer_fa3", 0.7, 0.5), _record("pagedwindow", 1, 1)]
-    assert bench_results.flashinfer_ratios(mixed)["prefill_1x8192", "pagedwindow"] == (pytest.approx(2.0),
-                                                                                        pytest.approx(2.0))
+    assert bench_results.flashinfer_ratios(mixed)["prefill_1x8192", "pagedwindow"] == (
+        pytest.approx(2.0),
+        pytest.approx(2.0),
+    )
     assert bench_results.flashinfer_ratios(RESULT["records"])["prefill_1x8192", "flex"] == (None, None)
     alone = bench_results.flashinfer_ratios([_record("pagedwindow", 1, 1), _record("flashinfer_fa3", None, None)])
     assert alone["prefill_1x8192", "pagedwindow"] == (None, None)
@@ -185,8 +236,13 @@ def test_table_shows_the_three_times_and_the_ratios():
 
 
 def test_table_of_an_older_file_with_kernel_time_only():
-    old = {"gpu": "NVIDIA H200", "peak_bf16_tflops": 800.0, "records": [
-        {"system": "pagedwindow", "workload": "w", "ms": 0.4, "useful_tflops": 322.2, "max_abs_err": 0.0156}]}
+    old = {
+        "gpu": "NVIDIA H200",
+        "peak_bf16_tflops": 800.0,
+        "records": [
+            {"system": "pagedwindow", "workload": "w", "ms": 0.4, "useful_tflops": 322.2, "max_abs_err": 0.0156}
+        ],
+    }
     assert "| w | pagedwindow | — | 0.4000 | — | — | 322.2 | 40.3 | — | — | 1.56e-02 |" in bench.markdown_table(old)
 
 

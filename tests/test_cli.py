@@ -20,8 +20,9 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 
 def _python_m(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "pagedwindow", *args], capture_output=True, text=True, env=env,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pagedwindow", *args], capture_output=True, text=True, env=env, timeout=300
+    )
 
 
 def _usage_error(capsys, argv: list[str]) -> str:
@@ -44,12 +45,15 @@ def test_version_via_python_m():
     assert proc.stdout == f"pagedwindow {pagedwindow.__version__}\n"
 
 
-@pytest.mark.parametrize("argv,options", [
-    ([], ["--version", "report", "bench", "doctor", "exit codes"]),
-    (["report"], ["--params", "--out", "--notebooks"]),
-    (["bench"], ["--out", "--workloads", "--systems", "--sweep", "--quick", "--cta-tile-q", "--label"]),
-    (["doctor"], ["builds nothing"]),
-])
+@pytest.mark.parametrize(
+    "argv,options",
+    [
+        ([], ["--version", "report", "bench", "doctor", "exit codes"]),
+        (["report"], ["--params", "--out", "--notebooks"]),
+        (["bench"], ["--out", "--workloads", "--systems", "--sweep", "--quick", "--cta-tile-q", "--label"]),
+        (["doctor"], ["builds nothing"]),
+    ],
+)
 def test_help_is_plain_text_and_lists_options(capsys, argv, options):
     with pytest.raises(SystemExit) as exit_info:
         main([*argv, "--help"])
@@ -132,8 +136,10 @@ def test_variant_labels_are_file_names(label):
     declared = {"01_a": {"x", "out_dir"}}
     with pytest.raises(report.ReportUsageError, match="label"):
         report.plan_runs({"01_a": {"variants": {label: {}}}}, declared, ["01_a"])
-    assert [r.name for r in report.plan_runs({"01_a": {"variants": {"bf16": {}, 2: {}}}}, declared, ["01_a"])] \
-        == ["01_a-bf16", "01_a-2"]
+    assert [r.name for r in report.plan_runs({"01_a": {"variants": {"bf16": {}, 2: {}}}}, declared, ["01_a"])] == [
+        "01_a-bf16",
+        "01_a-2",
+    ]
 
 
 # -- doctor --------------------------------------------------------------------------------------------------------

@@ -20,8 +20,9 @@ GEOMETRIES, WINDOWS, SM_SCALE = testing.KERNEL_GEOMETRIES, testing.KERNEL_WINDOW
 @pytest.mark.parametrize("geometry", GEOMETRIES, ids=testing.kernel_case_id)
 @pytest.mark.parametrize("window_left", WINDOWS)
 def test_prefill_kernel_against_float64(geometry, window_left):
-    case, out, lse = run_kernel_case(geometry, window_left,
-                                     seed=GEOMETRIES.index(geometry) * 100 + WINDOWS.index(window_left))
+    case, out, lse = run_kernel_case(
+        geometry, window_left, seed=GEOMETRIES.index(geometry) * 100 + WINDOWS.index(window_left)
+    )
     rows = case.plan.total_tokens
     exact = dense_attention(case, sm_scale=SM_SCALE, window_left=window_left)  # [rows, hq, d] fp64
     plain = dense_attention(case, sm_scale=SM_SCALE, window_left=window_left, dtype=torch.bfloat16)
@@ -31,8 +32,17 @@ def test_prefill_kernel_against_float64(geometry, window_left):
     err = max_abs_err(out[:rows], exact)
     assert err <= error_bound(plain_err), f"max |kernel - fp64| {err:.3e} vs plain bf16 {plain_err:.3e}"
     ref_lse = torch.empty(rows, case.q.shape[1], dtype=torch.float32, device="cuda")
-    pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=SM_SCALE,
-                                  window_left=window_left, lse=ref_lse, backend="reference")
+    pw.batch_prefill_paged_window(
+        case.q,
+        case.pool,
+        case.layout,
+        case.layer,
+        case.plan,
+        sm_scale=SM_SCALE,
+        window_left=window_left,
+        lse=ref_lse,
+        backend="reference",
+    )
     torch.testing.assert_close(lse[:rows], ref_lse, rtol=1e-3, atol=1e-3)
     assert torch.isnan(lse[rows:]).all()
 
@@ -45,8 +55,9 @@ def test_sm90_kernel_copies_kv_tiles_in_bulk_where_the_page_size_allows(page_siz
     pool = layout.allocate(3, device="cuda")
     geo = checked_paged_geometry("test", layout, pool, 1, D, 8)
     lib = ops.library(pool.device)
-    mode = lib.pw_prefill_hd256_sm90_kv_copy_mode(pool.data_ptr(), geo.k_offset, geo.v_offset, geo.page_stride,
-                                                  page_size, 8)
+    mode = lib.pw_prefill_hd256_sm90_kv_copy_mode(
+        pool.data_ptr(), geo.k_offset, geo.v_offset, geo.page_stride, page_size, 8
+    )
     assert mode == bulk
 
 
@@ -54,8 +65,17 @@ def test_sm90_kernel_copies_kv_tiles_in_bulk_where_the_page_size_allows(page_siz
 @pytest.mark.parametrize("page_size", [1, 5, 16, 64])
 def test_pool_write_bit_exact(dtype, page_size):
     gen = torch.Generator().manual_seed(page_size)
-    case = random_batch(gen, seq_lens=[77, 0, 5], start_positions=[3, 4, 200], page_size=page_size, num_qo_heads=16,
-                        num_kv_heads=8, head_dim=D, dtype=dtype, device="cuda")
+    case = random_batch(
+        gen,
+        seq_lens=[77, 0, 5],
+        start_positions=[3, 4, 200],
+        page_size=page_size,
+        num_qo_heads=16,
+        num_kv_heads=8,
+        head_dim=D,
+        dtype=dtype,
+        device="cuda",
+    )
     expected = case.pool.clone()
     pw.append_paged_kv(case.k, case.v, expected, case.layout, case.layer, case.plan, backend="reference")
     pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan, backend="cuda")
@@ -64,8 +84,9 @@ def test_pool_write_bit_exact(dtype, page_size):
 
 def test_auto_routes_bf16_to_the_kernel_and_matches_reference():
     case, out, _ = run_kernel_case(GEOMETRIES[0], 1023, seed=1)
-    auto = pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=SM_SCALE,
-                                         window_left=1023)
+    auto = pw.batch_prefill_paged_window(
+        case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=SM_SCALE, window_left=1023
+    )
     assert torch.equal(auto, out[: case.plan.total_tokens])
 
 
@@ -88,8 +109,14 @@ def test_cuda_graph_replay_across_every_update_equals_eager(tile):
     explicit); replay after each update of every shape class equals eager, pool included, and leaves rows past
     total_tokens untouched."""
     hq, hkv, ps, cap_tokens, num_pages = 16, 8, 16, 512, 400
-    plan = pw.PrefillPagedPlan.preallocated(max_total_tokens=cap_tokens, max_total_pages=num_pages, max_batch=8,
-                                            max_tiles=160, cta_tile_q=tile, device="cuda")
+    plan = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=cap_tokens,
+        max_total_pages=num_pages,
+        max_batch=8,
+        max_tiles=160,
+        cta_tile_q=tile,
+        device="cuda",
+    )
     fixed = plan.cta_tile_q
     gen = torch.Generator().manual_seed(7 if tile is None else tile)
     layout = pw.PagedKvLayout(1, hkv, D, ps)
@@ -101,23 +128,46 @@ def test_cuda_graph_replay_across_every_update_equals_eager(tile):
 
     def step():
         pw.append_paged_kv(k, v, pool, layout, 0, plan, backend="cuda")
-        pw.batch_prefill_paged_window(q, pool, layout, 0, plan, sm_scale=1.0, window_left=1023, out=out,
-                                      backend="cuda")
+        pw.batch_prefill_paged_window(q, pool, layout, 0, plan, sm_scale=1.0, window_left=1023, out=out, backend="cuda")
 
     def load(case):
         """Copy a case into the captured buffers and re-plan in place from CSR tensors."""
         p = case.plan
-        plan.update_csr(p.qo_indptr, p.page_indptr, p.page_indices, p.last_page_len, num_qo_heads=hq,
-                        num_kv_heads=hkv, head_dim=D, page_size=ps)
+        plan.update_csr(
+            p.qo_indptr,
+            p.page_indptr,
+            p.page_indices,
+            p.last_page_len,
+            num_qo_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=D,
+            page_size=ps,
+        )
         pool.copy_(case.pool)
         n = p.total_tokens
         q[:n], k[:n], v[:n] = case.q, case.k, case.v
         out.fill_(float("nan"))
 
-    cases = [(name, random_batch(gen, seq_lens=seqs, start_positions=starts, page_size=ps, num_qo_heads=hq,
-                                 num_kv_heads=hkv, head_dim=D, dtype=torch.bfloat16, device="cuda",
-                                 num_pages=num_pages, num_layers=1, layer=0))
-             for name, seqs, starts in UPDATE_SEQUENCE]
+    cases = [
+        (
+            name,
+            random_batch(
+                gen,
+                seq_lens=seqs,
+                start_positions=starts,
+                page_size=ps,
+                num_qo_heads=hq,
+                num_kv_heads=hkv,
+                head_dim=D,
+                dtype=torch.bfloat16,
+                device="cuda",
+                num_pages=num_pages,
+                num_layers=1,
+                layer=0,
+            ),
+        )
+        for name, seqs, starts in UPDATE_SEQUENCE
+    ]
     load(cases[0][1])
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -148,17 +198,32 @@ def test_cuda_graph_replay_across_every_update_equals_eager(tile):
     other = next(t for t in (16, 64, 128) if t != fixed)
     with pytest.raises(pw.PagedWindowError, match="fixed tile"):
         p = cases[1][1].plan
-        plan.update_csr(p.qo_indptr, p.page_indptr, p.page_indices, p.last_page_len, num_qo_heads=hq,
-                        num_kv_heads=hkv, head_dim=D, page_size=ps, cta_tile_q=other)
+        plan.update_csr(
+            p.qo_indptr,
+            p.page_indptr,
+            p.page_indices,
+            p.last_page_len,
+            num_qo_heads=hq,
+            num_kv_heads=hkv,
+            head_dim=D,
+            page_size=ps,
+            cta_tile_q=other,
+        )
 
 
 def _live_entries(plan: pw.PrefillPagedPlan, buffer: torch.Tensor) -> list[list[int]]:
     """The live part of each segment of a capacity-sized plan buffer (what the kernels read)."""
     views = plan._views(buffer.cpu())
     b, t, p = plan.batch_size, plan.num_tiles, plan.total_pages
-    return [views.scalars.tolist(), views.page_indptr[: b + 1].tolist(), views.last_page_len[:b].tolist(),
-            views.qo_indptr[: b + 1].tolist(), views.request_indices[:t].tolist(),
-            views.qo_tile_indices[:t].tolist(), views.page_indices[:p].tolist()]
+    return [
+        views.scalars.tolist(),
+        views.page_indptr[: b + 1].tolist(),
+        views.last_page_len[:b].tolist(),
+        views.qo_indptr[: b + 1].tolist(),
+        views.request_indices[:t].tolist(),
+        views.qo_tile_indices[:t].tolist(),
+        views.page_indices[:p].tolist(),
+    ]
 
 
 @pytest.mark.parametrize("passes", ["compiled", "numpy and torch copies"])
@@ -176,13 +241,17 @@ def test_every_upload_shape_fills_the_live_entries(max_tiles, passes, monkeypatc
         monkeypatch.setattr(plan_module, "_loaded_kernels", lambda: None)
         monkeypatch.setattr(plan_module, "_host_pass_library", lambda device: None)
     kwargs = dict(num_qo_heads=16, num_kv_heads=8, head_dim=D, page_size=16)
-    batches = [([[3, 4]], [16], [17], [15]), ([[9], [1, 2, 5]], [4, 16], [0, 40], [4, 8]),
-               ([[7, 8, 10]], [1], [0], [33])]
+    batches = [
+        ([[3, 4]], [16], [17], [15]),
+        ([[9], [1, 2, 5]], [4, 16], [0, 40], [4, 8]),
+        ([[7, 8, 10]], [1], [0], [33]),
+    ]
     if max_tiles is None:
         plans = [pw.PrefillPagedPlan.batch(*b, **kwargs, cta_tile_q=16, device="cuda") for b in batches]
     else:
-        plan = pw.PrefillPagedPlan.preallocated(max_total_tokens=64, max_total_pages=32, max_batch=4,
-                                                max_tiles=max_tiles, cta_tile_q=16, device="cuda")
+        plan = pw.PrefillPagedPlan.preallocated(
+            max_total_tokens=64, max_total_pages=32, max_batch=4, max_tiles=max_tiles, cta_tile_q=16, device="cuda"
+        )
         plans = [plan] * len(batches)
     for plan, b in zip(plans, batches):
         if max_tiles is not None:
@@ -205,9 +274,16 @@ def test_update_does_not_wait_for_the_gpu():
     import time
 
     t0 = time.perf_counter()
-    plan.update(p["page_indices"], p["last_page_lens"], p["start_positions"], p["seq_lens"],
-                num_qo_heads=plan.num_qo_heads, num_kv_heads=plan.num_kv_heads, head_dim=D,
-                page_size=plan.page_size)
+    plan.update(
+        p["page_indices"],
+        p["last_page_lens"],
+        p["start_positions"],
+        p["seq_lens"],
+        num_qo_heads=plan.num_qo_heads,
+        num_kv_heads=plan.num_kv_heads,
+        head_dim=D,
+        page_size=plan.page_size,
+    )
     host = time.perf_counter() - t0
     assert not start.query(), "the GPU finished its queued work before the update returned"
     assert host < 0.05, f"update took {host * 1e3:.1f} ms of host time while the GPU was busy"
@@ -219,8 +295,9 @@ def test_torch_compile_fullgraph():
     got = torch.empty_like(out)
 
     def direct(q, pool, out):
-        return pw.batch_prefill_paged_window(q, pool, case.layout, case.layer, case.plan, sm_scale=SM_SCALE,
-                                             window_left=1023, out=out, backend="cuda")
+        return pw.batch_prefill_paged_window(
+            q, pool, case.layout, case.layer, case.plan, sm_scale=SM_SCALE, window_left=1023, out=out, backend="cuda"
+        )
 
     compiled = torch.compile(direct, fullgraph=True)
     compiled(case.q, case.pool, got)
@@ -235,51 +312,97 @@ def test_opcheck_both_ops():
     buffer = plan.device_buffer("cuda")
     geo = pw.checked_paged_geometry("t", case.layout, case.pool, case.layer, D, plan.num_kv_heads)
     offsets = list(plan.capacity.segment_offsets())
-    torch.library.opcheck(torch.ops.pagedwindow.prefill_hd256.default,
-                          (case.q, case.pool, buffer, out, lse, geo.k_offset, geo.v_offset, geo.page_stride,
-                           geo.page_size, plan.num_qo_heads, plan.num_kv_heads, offsets, plan.capacity.max_tiles,
-                           plan.cta_tile_q, SM_SCALE, 13))
-    torch.library.opcheck(torch.ops.pagedwindow.append_paged_kv.default,
-                          (case.k, case.v, case.pool, buffer, geo.k_offset, geo.v_offset, geo.page_stride,
-                           geo.page_size, plan.num_kv_heads, D, offsets, plan.capacity.max_batch,
-                           plan.capacity.max_total_tokens))
+    torch.library.opcheck(
+        torch.ops.pagedwindow.prefill_hd256.default,
+        (
+            case.q,
+            case.pool,
+            buffer,
+            out,
+            lse,
+            geo.k_offset,
+            geo.v_offset,
+            geo.page_stride,
+            geo.page_size,
+            plan.num_qo_heads,
+            plan.num_kv_heads,
+            offsets,
+            plan.capacity.max_tiles,
+            plan.cta_tile_q,
+            SM_SCALE,
+            13,
+        ),
+    )
+    torch.library.opcheck(
+        torch.ops.pagedwindow.append_paged_kv.default,
+        (
+            case.k,
+            case.v,
+            case.pool,
+            buffer,
+            geo.k_offset,
+            geo.v_offset,
+            geo.page_stride,
+            geo.page_size,
+            plan.num_kv_heads,
+            D,
+            offsets,
+            plan.capacity.max_batch,
+            plan.capacity.max_total_tokens,
+        ),
+    )
 
 
 def test_cuda_backend_refuses_what_the_kernel_cannot_do():
     gen = torch.Generator().manual_seed(9)
-    case = random_batch(gen, seq_lens=[5], start_positions=[0], page_size=4, num_qo_heads=4, num_kv_heads=2,
-                        head_dim=64, dtype=torch.bfloat16, device="cuda")
+    case = random_batch(
+        gen,
+        seq_lens=[5],
+        start_positions=[0],
+        page_size=4,
+        num_qo_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
     out = torch.full_like(case.q, 3.0)
     with pytest.raises(pw.PagedWindowError, match="does not support head_dim 64"):
-        pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0,
-                                      window_left=-1, out=out, backend="cuda")
+        pw.batch_prefill_paged_window(
+            case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0, window_left=-1, out=out, backend="cuda"
+        )
     assert (out == 3.0).all()
-    auto = pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0,
-                                         window_left=-1)  # auto falls back to the reference for head_dim 64
-    ref = pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0,
-                                        window_left=-1, backend="reference")
+    auto = pw.batch_prefill_paged_window(
+        case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0, window_left=-1
+    )  # auto falls back to the reference for head_dim 64
+    ref = pw.batch_prefill_paged_window(
+        case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0, window_left=-1, backend="reference"
+    )
     assert torch.equal(auto, ref)
     q32 = case.q.float()
     with pytest.raises(pw.PagedWindowError, match="does not support dtype torch.float32"):
-        pw.batch_prefill_paged_window(q32, case.pool.float(), case.layout, case.layer, case.plan, sm_scale=1.0,
-                                      window_left=-1, backend="cuda")
+        pw.batch_prefill_paged_window(
+            q32, case.pool.float(), case.layout, case.layer, case.plan, sm_scale=1.0, window_left=-1, backend="cuda"
+        )
 
 
 def test_cuda_backend_refuses_misaligned_tensors():
     case, _, _ = run_kernel_case(GEOMETRIES[1], 13, seed=5)
     n, h = case.q.shape[0], case.q.shape[1]
     flat = torch.empty(n * h * D + 8, dtype=torch.bfloat16, device="cuda")
-    q = flat[1: 1 + n * h * D].view(n, h, D)  # contiguous, 2 bytes off 16-byte alignment
+    q = flat[1 : 1 + n * h * D].view(n, h, D)  # contiguous, 2 bytes off 16-byte alignment
     q.copy_(case.q)
     out = torch.full_like(case.q, 3.0)
     with pytest.raises(pw.PagedWindowError, match="not 16-byte aligned"):
-        pw.batch_prefill_paged_window(q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0,
-                                      window_left=-1, out=out, backend="cuda")
+        pw.batch_prefill_paged_window(
+            q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0, window_left=-1, out=out, backend="cuda"
+        )
     assert (out == 3.0).all()
 
 
-@pytest.mark.parametrize("dtypes", [("int32",) * 4, ("int64",) * 4, ("int32", "int64", "int32", "int64")],
-                         ids=["int32", "int64", "mixed"])
+@pytest.mark.parametrize(
+    "dtypes", [("int32",) * 4, ("int64",) * 4, ("int32", "int64", "int32", "int64")], ids=["int32", "int64", "mixed"]
+)
 def test_csr_on_the_gpu_plans_like_csr_on_the_host(dtypes):
     """CUDA CSR tensors (read to the host in one copy when they share a dtype) give the plan host tensors give,
     and a bad value in them is refused with the same error."""

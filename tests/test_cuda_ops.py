@@ -26,18 +26,25 @@ def _prefill_args(make):
 
 def test_fake_prefill_runs_under_fake_tensors():
     with FakeTensorMode() as mode:
-        args = _prefill_args(lambda shape, dtype: torch.empty(shape, dtype=dtype, device="cuda")
-                             if torch.cuda.is_available() else mode.from_tensor(torch.empty(shape, dtype=dtype)))
+        args = _prefill_args(
+            lambda shape, dtype: (
+                torch.empty(shape, dtype=dtype, device="cuda")
+                if torch.cuda.is_available()
+                else mode.from_tensor(torch.empty(shape, dtype=dtype))
+            )
+        )
         assert torch.ops.pagedwindow.prefill_hd256(*args) is None
 
 
 def test_export_traces_both_ops_without_running_them():
     class Step(torch.nn.Module):
         def forward(self, q, pool, plan, out, lse, k, v):
-            torch.ops.pagedwindow.append_paged_kv(k, v, pool, plan, 0, 65536, 262144, 16, 8, 256,
-                                                  [0, 3, 6, 8, 11, 31, 51], 2, 40)
-            torch.ops.pagedwindow.prefill_hd256(q, pool, plan, out, lse, 0, 65536, 262144, 16, 16, 8,
-                                                [0, 3, 6, 8, 11, 31, 51], 20, 64, 1.0, 1023)
+            torch.ops.pagedwindow.append_paged_kv(
+                k, v, pool, plan, 0, 65536, 262144, 16, 8, 256, [0, 3, 6, 8, 11, 31, 51], 2, 40
+            )
+            torch.ops.pagedwindow.prefill_hd256(
+                q, pool, plan, out, lse, 0, 65536, 262144, 16, 16, 8, [0, 3, 6, 8, 11, 31, 51], 20, 64, 1.0, 1023
+            )
             return out
 
     args = _prefill_args(lambda shape, dtype: torch.zeros(shape, dtype=dtype))[:5]

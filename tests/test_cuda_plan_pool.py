@@ -17,22 +17,32 @@ HEADS = dict(num_qo_heads=16, num_kv_heads=8)
 
 def _case(seed, seq_lens, start_positions):
     gen = torch.Generator().manual_seed(seed)
-    case = random_batch(gen, seq_lens=seq_lens, start_positions=start_positions, page_size=16, head_dim=D,
-                        dtype=torch.bfloat16, device="cuda", **HEADS)
+    case = random_batch(
+        gen,
+        seq_lens=seq_lens,
+        start_positions=start_positions,
+        page_size=16,
+        head_dim=D,
+        dtype=torch.bfloat16,
+        device="cuda",
+        **HEADS,
+    )
     case.append(backend="cuda")
     return case
 
 
 def _csr_plan(case):
     p = case.plan
-    return pw.PrefillPagedPlan.from_csr(p.qo_indptr, p.page_indptr, p.page_indices, p.last_page_len, head_dim=D,
-                                        page_size=16, device="cuda", **HEADS)
+    return pw.PrefillPagedPlan.from_csr(
+        p.qo_indptr, p.page_indptr, p.page_indices, p.last_page_len, head_dim=D, page_size=16, device="cuda", **HEADS
+    )
 
 
 def _attend(case, plan):
     out = torch.full((case.plan.total_tokens, 16, D), float("nan"), dtype=torch.bfloat16, device="cuda")
-    pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, plan, sm_scale=0.0625,
-                                  window_left=1023, out=out, backend="cuda")
+    pw.batch_prefill_paged_window(
+        case.q, case.pool, case.layout, case.layer, plan, sm_scale=0.0625, window_left=1023, out=out, backend="cuda"
+    )
     return out
 
 

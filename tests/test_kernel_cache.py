@@ -69,10 +69,13 @@ def nvcc_log(env, monkeypatch):
     """``$PAGEDWINDOW_NVCC`` -> a wrapper of the real nvcc that logs its arguments; returns the log's path."""
     log = env / "nvcc.log"
     log.touch()
-    wrapper = write_script(env / "bin" / "nvcc", f"""\
+    wrapper = write_script(
+        env / "bin" / "nvcc",
+        f"""\
         echo "$*" >> {log}
         exec {real_nvcc()} "$@"
-        """)
+        """,
+    )
     monkeypatch.setenv("PAGEDWINDOW_NVCC", str(wrapper))
     return log
 
@@ -116,6 +119,7 @@ def staging_dirs() -> list[Path]:
 
 # -- where the sources come from ----------------------------------------------------------------------------------
 
+
 def test_sources_come_from_the_override_then_the_package_then_the_repository(env, monkeypatch, tmp_path):
     monkeypatch.setattr(build, "PACKAGE_KERNELS_DIR", tmp_path / "not-installed")
     assert build.kernels_dir() == build.REPO_KERNELS_DIR == REPO / "kernels"  # an editable install
@@ -141,6 +145,7 @@ def test_missing_sources_name_every_place_looked(env, monkeypatch, tmp_path):
 
 
 # -- the key --------------------------------------------------------------------------------------------------------
+
 
 def test_the_key_changes_with_every_input_of_the_build(env, monkeypatch, tmp_path):
     kernels = tmp_path / "kernels"
@@ -193,6 +198,7 @@ def test_flags_are_read_at_build_time(stub, nvcc_log, monkeypatch):
 
 # -- a cache that heals ----------------------------------------------------------------------------------------------
 
+
 def test_a_build_publishes_a_verified_library_and_later_calls_hit_the_cache(stub, nvcc_log):
     library = build.build_shared_library(TARGET)
     assert_verified(library)
@@ -218,12 +224,18 @@ def _foreign_manifest(library):
     (library.parent / build.MANIFEST).write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("damage", [
-    _truncate, _flip_a_byte, _foreign_manifest,
-    lambda library: (library.parent / build.MANIFEST).unlink(),
-    lambda library: (library.parent / build.MANIFEST).write_text("{not json"),
-    lambda library: library.unlink(),
-], ids=["truncated", "modified", "foreign-manifest", "no-manifest", "garbled-manifest", "no-library"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        _truncate,
+        _flip_a_byte,
+        _foreign_manifest,
+        lambda library: (library.parent / build.MANIFEST).unlink(),
+        lambda library: (library.parent / build.MANIFEST).write_text("{not json"),
+        lambda library: library.unlink(),
+    ],
+    ids=["truncated", "modified", "foreign-manifest", "no-manifest", "garbled-manifest", "no-library"],
+)
 def test_a_damaged_entry_is_rebuilt(stub, nvcc_log, damage):
     library = build.build_shared_library(TARGET)
     damage(library)
@@ -316,8 +328,9 @@ def fake_gpu(monkeypatch):
 
 
 @pytest.mark.slow
-def test_ops_library_heals_a_cached_library_that_lacks_the_kernels(env, nvcc_log, fake_gpu, tmp_path, caplog,
-                                                                   monkeypatch):
+def test_ops_library_heals_a_cached_library_that_lacks_the_kernels(
+    env, nvcc_log, fake_gpu, tmp_path, caplog, monkeypatch
+):
     forged = forge_entry(TARGET, tmp_path)
     lib = ops.library(torch.device("cuda", 0))
     assert builds(nvcc_log) == 1, "the forged library was not rebuilt"
@@ -331,16 +344,21 @@ def test_ops_library_heals_a_cached_library_that_lacks_the_kernels(env, nvcc_log
     caplog.set_level(logging.INFO, logger="pagedwindow")
     assert cuda.unavailable_reason() is None
     assert messages(caplog, "pagedwindow.cuda") == [
-        "CUDA kernels loaded for cuda:0; prefill kernel: mma.sync (the default for this architecture)"]
+        "CUDA kernels loaded for cuda:0; prefill kernel: mma.sync (the default for this architecture)"
+    ]
 
 
 # -- auto's fallback is visible ---------------------------------------------------------------------------------------
 
+
 def test_a_failed_build_is_the_reason_the_kernels_are_unavailable(env, fake_gpu, monkeypatch):
-    broken = write_script(env / "nvcc", """\
+    broken = write_script(
+        env / "nvcc",
+        """\
         case "$*" in *--version*) echo "Cuda compilation tools, release 13.0"; exit 0;; esac
         echo "nvcc fatal   : pretend the toolkit is broken" >&2; exit 1
-        """)
+        """,
+    )
     monkeypatch.setenv("PAGEDWINDOW_NVCC", str(broken))
     reason = cuda.unavailable_reason()
     assert reason is not None and "pretend the toolkit is broken" in reason
@@ -350,17 +368,21 @@ def test_a_failed_build_is_the_reason_the_kernels_are_unavailable(env, fake_gpu,
 
 
 def test_a_library_that_does_not_load_is_the_reason(env, fake_gpu, monkeypatch):
-    fake = write_script(env / "nvcc", f"""\
+    fake = write_script(
+        env / "nvcc",
+        f"""\
         case "$*" in *--version*) echo "Cuda compilation tools, release 13.0"; exit 0;; esac
         for a in "$@"; do case "$prev" in -o) out="$a";; esac; prev="$a"; done
         echo 'int pw_nothing_here;' > "$out.c" && exec {c_compiler()} -shared -fPIC -o "$out" "$out.c"
-        """)  # "builds" a library without the kernels' symbols
+        """,
+    )  # "builds" a library without the kernels' symbols
     monkeypatch.setenv("PAGEDWINDOW_NVCC", str(fake))
     reason = cuda.unavailable_reason()
     assert reason is not None and "even after a rebuild" in reason and "pw_prefill_hd256_bf16" in reason
 
 
 # -- what the "pagedwindow" loggers say --------------------------------------------------------------------------------
+
 
 def messages(caplog, logger: str, level: int = logging.DEBUG) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name == logger and r.levelno >= level]
@@ -400,10 +422,13 @@ def test_healing_a_broken_cache_entry_is_logged(stub, nvcc_log, caplog, tmp_path
 @pytest.fixture
 def broken_nvcc(env, monkeypatch):
     """``$PAGEDWINDOW_NVCC``: an nvcc that reports a version and fails every build."""
-    broken = write_script(env / "nvcc", """\
+    broken = write_script(
+        env / "nvcc",
+        """\
         case "$*" in *--version*) echo "Cuda compilation tools, release 13.0"; exit 0;; esac
         echo "nvcc fatal   : pretend the toolkit is broken" >&2; exit 1
-        """)
+        """,
+    )
     monkeypatch.setenv("PAGEDWINDOW_NVCC", str(broken))
 
 
@@ -412,18 +437,22 @@ def test_a_failed_build_and_autos_fallback_are_logged(env, fake_gpu, broken_nvcc
     and its reason are logged (once each; later fallbacks at DEBUG)."""
     monkeypatch.setattr(api, "_fallbacks_warned", set())
     caplog.set_level(logging.DEBUG, logger="pagedwindow")
-    plan = pagedwindow.PrefillPagedPlan.single([0], 4, 0, 4, num_qo_heads=2, num_kv_heads=1, head_dim=256,
-                                               page_size=16, cta_tile_q=16)  # a tile: no device to ask
+    plan = pagedwindow.PrefillPagedPlan.single(
+        [0], 4, 0, 4, num_qo_heads=2, num_kv_heads=1, head_dim=256, page_size=16, cta_tile_q=16
+    )  # a tile: no device to ask
     on_gpu = SimpleNamespace(device=torch.device("cuda", 0))  # the device is all the choice reads first
     with pytest.warns(RuntimeWarning, match="runs the PyTorch reference on cuda:0"):
         assert api._resolve_backend("batch_prefill_paged_window", "auto", plan, on_gpu) == "reference"
-    assert re.fullmatch(r"kernel build for sm_80 failed after \d+\.\d s",
-                        messages(caplog, "pagedwindow.cuda.build", logging.WARNING)[0])
+    assert re.fullmatch(
+        r"kernel build for sm_80 failed after \d+\.\d s", messages(caplog, "pagedwindow.cuda.build", logging.WARNING)[0]
+    )
     (unavailable,) = messages(caplog, "pagedwindow.cuda", logging.WARNING)
     assert "backend 'cuda' is unavailable" in unavailable and "pretend the toolkit is broken" in unavailable
     (fallback,) = messages(caplog, "pagedwindow.api", logging.WARNING)
-    assert fallback.startswith("batch_prefill_paged_window: backend 'auto' runs the PyTorch reference on cuda:0: "
-                               "the CUDA kernels could not be built or loaded")
+    assert fallback.startswith(
+        "batch_prefill_paged_window: backend 'auto' runs the PyTorch reference on cuda:0: "
+        "the CUDA kernels could not be built or loaded"
+    )
     caplog.clear()
     assert api._resolve_backend("batch_prefill_paged_window", "auto", plan, on_gpu) == "reference"
     assert messages(caplog, "pagedwindow.api", logging.WARNING) == []
@@ -441,6 +470,7 @@ def test_the_plans_fallback_to_the_numpy_pass_is_logged(env, fake_gpu, broken_nv
 
 # -- kernels ship in the package ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_a_built_wheel_ships_the_kernels_and_compiles_them(tmp_path):
     tree = tmp_path / "tree"
@@ -452,42 +482,56 @@ def test_a_built_wheel_ships_the_kernels_and_compiles_them(tmp_path):
     shutil.copytree(REPO / "kernels", tree / "kernels", ignore=ignore)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-input"]
     offline = ["--no-build-isolation"] if importlib.util.find_spec("setuptools") else []  # else pip fetches it
-    subprocess.run([*pip, "wheel", "--no-deps", *offline, "-w", str(tmp_path / "wheels"), str(tree)], check=True,
-                   capture_output=True, cwd=tmp_path)
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", *offline, "-w", str(tmp_path / "wheels"), str(tree)],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
+    )
     (wheel,) = (tmp_path / "wheels").glob("pagedwindow-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     package = REPO / "src" / "pagedwindow"
-    modules = {f"pagedwindow/{p.relative_to(package).as_posix()}" for p in package.rglob("*.py")
-               if "__pycache__" not in p.parts}
-    assert modules <= names, f"modules missing from the wheel (list new subpackages in pyproject.toml): " \
-                             f"{sorted(modules - names)}"
+    modules = {
+        f"pagedwindow/{p.relative_to(package).as_posix()}"
+        for p in package.rglob("*.py")
+        if "__pycache__" not in p.parts
+    }
+    assert modules <= names, (
+        f"modules missing from the wheel (list new subpackages in pyproject.toml): {sorted(modules - names)}"
+    )
     kernels = {p.name for p in (REPO / "kernels").iterdir() if p.suffix in (".cu", ".cuh", ".cpp")}
-    assert {n.removeprefix("pagedwindow/kernels/") for n in names if n.startswith("pagedwindow/kernels/")} \
-        == kernels
+    assert {n.removeprefix("pagedwindow/kernels/") for n in names if n.startswith("pagedwindow/kernels/")} == kernels
     for name in kernels:
         assert zipfile.ZipFile(wheel).read(f"pagedwindow/kernels/{name}") == (REPO / "kernels" / name).read_bytes()
 
     site = tmp_path / "site"
-    subprocess.run([*pip, "install", "--no-deps", "--no-index", "--target", str(site), str(wheel)], check=True,
-                   capture_output=True, cwd=tmp_path)
+    subprocess.run(
+        [*pip, "install", "--no-deps", "--no-index", "--target", str(site), str(wheel)],
+        check=True,
+        capture_output=True,
+        cwd=tmp_path,
+    )
     environ = {k: v for k, v in os.environ.items() if k != "PAGEDWINDOW_KERNELS_DIR"}
     environ.update(PYTHONPATH=str(site), PAGEDWINDOW_CACHE_DIR=str(tmp_path / "cache"))
 
     def installed(code: str):
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
-                              env=environ)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=environ)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout.splitlines()[-1])
 
-    found = installed("import json, pagedwindow; from pagedwindow.cuda import build; "
-                      "print(json.dumps([pagedwindow.__file__, [str(p) for p in build.source_paths()]]))")
+    found = installed(
+        "import json, pagedwindow; from pagedwindow.cuda import build; "
+        "print(json.dumps([pagedwindow.__file__, [str(p) for p in build.source_paths()]]))"
+    )
     assert Path(found[0]).is_relative_to(site), f"the subprocess imported {found[0]}, not the installed wheel"
     assert found[1] and all(Path(p).is_relative_to(site / "pagedwindow" / "kernels") for p in found[1]), found[1]
 
     if shutil.which("nvcc") is None and settings.nvcc() is None:
         pytest.skip("nvcc is not installed: the installed sources resolve, but compiling them needs nvcc")
-    resources = installed("import json; from pagedwindow.cuda.build import compile_for_targets; "
-                          "r, report = compile_for_targets(['sm_80']); "
-                          "print(json.dumps([[x.target, x.function] for x in r]))")
+    resources = installed(
+        "import json; from pagedwindow.cuda.build import compile_for_targets; "
+        "r, report = compile_for_targets(['sm_80']); "
+        "print(json.dumps([[x.target, x.function] for x in r]))"
+    )
     functions = [f for t, f in resources if t == "sm_80"]
     assert any("prefill" in f for f in functions) and any("append" in f for f in functions), functions

@@ -23,9 +23,12 @@ def test_no_spills_and_no_stack(compiled):
     resources, report = compiled
     # every entry function ptxas reported was parsed: a kernel the parser missed would pass the gate unchecked
     assert resources and len(resources) == report.count("Compiling entry function"), report[-3000:]
-    bad = [f"{r.function} on {r.target}: {r.spill_stores} bytes spill stores, {r.spill_loads} bytes spill loads, "
-           f"{r.stack_frame} bytes stack frame ({r.registers} registers)"
-           for r in resources if (r.spill_stores, r.spill_loads, r.stack_frame) != (0, 0, 0)]
+    bad = [
+        f"{r.function} on {r.target}: {r.spill_stores} bytes spill stores, {r.spill_loads} bytes spill loads, "
+        f"{r.stack_frame} bytes stack frame ({r.registers} registers)"
+        for r in resources
+        if (r.spill_stores, r.spill_loads, r.stack_frame) != (0, 0, 0)
+    ]
     assert not bad, "kernels that spill or use a stack frame:\n" + "\n".join(bad)
 
 
@@ -36,4 +39,10 @@ ptxas info    : Function properties for _Z6kernelv
 ptxas info    : Used 168 registers, used 1 barriers, 1024 bytes smem, 400 bytes cmem[0]"""
     (r,) = parse_ptxas_report(text)
     assert (r.target, r.registers, r.stack_frame, r.spill_stores, r.spill_loads, r.shared_bytes) == (
-        "sm_90a", 168, 8, 4, 4, 1024)
+        "sm_90a",
+        168,
+        8,
+        4,
+        4,
+        1024,
+    )

@@ -15,20 +15,25 @@ def test_strides_and_allocation():
     assert pool.shape == (5, 3, 2, 16, 8, 256) and pool.dtype == torch.bfloat16 and pool.is_contiguous()
     assert pool.stride(0) == layout.page_stride
     geo = pw.checked_paged_geometry("t", layout, pool, 2, 256, 8)
-    assert geo == pw.PagedGeometry(k_offset=2 * layout.layer_stride, v_offset=2 * layout.layer_stride
-                                   + layout.kv_block_len, page_size=16, num_pages=5, page_stride=layout.page_stride)
+    assert geo == pw.PagedGeometry(
+        k_offset=2 * layout.layer_stride,
+        v_offset=2 * layout.layer_stride + layout.kv_block_len,
+        page_size=16,
+        num_pages=5,
+        page_stride=layout.page_stride,
+    )
     # the offsets address exactly pool[:, layer, 0] and pool[:, layer, 1]
     flat = pool.view(5, -1)
     pool.normal_()
-    assert torch.equal(flat[:, geo.k_offset: geo.k_offset + layout.kv_block_len].reshape(5, 16, 8, 256),
-                       pool[:, 2, 0])
-    assert torch.equal(flat[:, geo.v_offset: geo.v_offset + layout.kv_block_len].reshape(5, 16, 8, 256),
-                       pool[:, 2, 1])
+    assert torch.equal(flat[:, geo.k_offset : geo.k_offset + layout.kv_block_len].reshape(5, 16, 8, 256), pool[:, 2, 0])
+    assert torch.equal(flat[:, geo.v_offset : geo.v_offset + layout.kv_block_len].reshape(5, 16, 8, 256), pool[:, 2, 1])
 
 
 @pytest.mark.parametrize("field", ["num_layers", "num_kv_heads", "head_dim", "page_size"])
-@pytest.mark.parametrize("value, fragment", [(0, "= 0 is below its minimum 1"), (-2, "= -2"),
-                                              (2**31, "does not fit in int32"), (2.0, "must be an integer")])
+@pytest.mark.parametrize(
+    "value, fragment",
+    [(0, "= 0 is below its minimum 1"), (-2, "= -2"), (2**31, "does not fit in int32"), (2.0, "must be an integer")],
+)
 def test_layout_sizes_checked(field, value, fragment):
     args = dict(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4)
     with pytest.raises(pw.PagedWindowError, match=f"layout.{field}") as err:

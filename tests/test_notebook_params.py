@@ -15,41 +15,81 @@ from pagedwindow import PagedWindowError, report
 from pagedwindow.viz import params
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-CHECKS = {"01_window_prefill_vs_hf": "check_window_prefill", "02_kernel_explorer": "check_kernel_explorer",
-          "04_benchmark": "check_benchmark"}
+CHECKS = {
+    "01_window_prefill_vs_hf": "check_window_prefill",
+    "02_kernel_explorer": "check_kernel_explorer",
+    "04_benchmark": "check_benchmark",
+}
 
-PREFILL = dict(family="gemma4", num_layers=3, sliding_window_pattern=3, num_qo_heads=4, num_kv_heads=2, head_dim=256,
-               hidden_size=256, sliding_window=16, page_size=5, prompt_len=40, extra_prompt_lens=[], prefix_len=24,
-               dtype="float32", backend="reference", device="cpu", seed=0)
-EXPLORER = dict(page_size=5, seq_lens=[37, 1, 20, 0], start_positions=[0, 24, 11, 9], num_qo_heads=4,
-                num_kv_heads=2, head_dim=256, window_left=13, cta_tile_q=0, sm_scale=1.0, dtype="bfloat16",
-                backend="reference", device="cpu", err_factor=2.0, err_slack=1e-3, max_requests_drawn=4, seed=0)
-BENCH = dict(results_dir="benchmarks/results", results_file="", run_benchmark=False, quick=True, systems=[],
-             max_err_limit=0.02)
+PREFILL = dict(
+    family="gemma4",
+    num_layers=3,
+    sliding_window_pattern=3,
+    num_qo_heads=4,
+    num_kv_heads=2,
+    head_dim=256,
+    hidden_size=256,
+    sliding_window=16,
+    page_size=5,
+    prompt_len=40,
+    extra_prompt_lens=[],
+    prefix_len=24,
+    dtype="float32",
+    backend="reference",
+    device="cpu",
+    seed=0,
+)
+EXPLORER = dict(
+    page_size=5,
+    seq_lens=[37, 1, 20, 0],
+    start_positions=[0, 24, 11, 9],
+    num_qo_heads=4,
+    num_kv_heads=2,
+    head_dim=256,
+    window_left=13,
+    cta_tile_q=0,
+    sm_scale=1.0,
+    dtype="bfloat16",
+    backend="reference",
+    device="cpu",
+    err_factor=2.0,
+    err_slack=1e-3,
+    max_requests_drawn=4,
+    seed=0,
+)
+BENCH = dict(
+    results_dir="benchmarks/results", results_file="", run_benchmark=False, quick=True, systems=[], max_err_limit=0.02
+)
 
 
 # -- the helpers -----------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("given,want", [
-    ("[50, 3, 0]", [50, 3, 0]),       # what `papermill -p seq_lens '[50, 3, 0]'` passes
-    ("50,3,0", [50, 3, 0]),
-    ("- 50\n- 3\n", [50, 3]),         # YAML
-    ((50, 3), [50, 3]),
-    ([7], [7]),
-    ("7", [7]),
-    (7, [7]),
-])
+@pytest.mark.parametrize(
+    "given,want",
+    [
+        ("[50, 3, 0]", [50, 3, 0]),  # what `papermill -p seq_lens '[50, 3, 0]'` passes
+        ("50,3,0", [50, 3, 0]),
+        ("- 50\n- 3\n", [50, 3]),  # YAML
+        ((50, 3), [50, 3]),
+        ([7], [7]),
+        ("7", [7]),
+        (7, [7]),
+    ],
+)
 def test_int_list_accepts_lists_and_papermill_strings(given, want):
     assert params.int_list("seq_lens", given) == want
 
 
-@pytest.mark.parametrize("given,match", [
-    ("[1, x]", r"seq_lens\[1\] must be an integer, got 'x'"),
-    ("[1, 2.5]", r"seq_lens\[1\] must be an integer"),
-    ([True], r"seq_lens\[0\] must be an integer"),
-    ("[3, -1]", r"seq_lens\[1\] = -1 must be >= 0"),
-    ("{a: 1}", "seq_lens must be a list of integers"),
-    ("[]", "seq_lens must hold at least 1 value"),
-])
+@pytest.mark.parametrize(
+    "given,match",
+    [
+        ("[1, x]", r"seq_lens\[1\] must be an integer, got 'x'"),
+        ("[1, 2.5]", r"seq_lens\[1\] must be an integer"),
+        ([True], r"seq_lens\[0\] must be an integer"),
+        ("[3, -1]", r"seq_lens\[1\] = -1 must be >= 0"),
+        ("{a: 1}", "seq_lens must be a list of integers"),
+        ("[]", "seq_lens must hold at least 1 value"),
+    ],
+)
 def test_int_list_errors_name_the_parameter_and_the_item(given, match):
     with pytest.raises(PagedWindowError, match=match) as info:
         params.int_list("seq_lens", given, minimum=0)
@@ -78,8 +118,9 @@ def test_heads_that_do_not_group_fail_up_front():
         params.check_window_prefill(**dict(PREFILL, num_qo_heads=3))
 
 
-@pytest.mark.parametrize("prompt_len,prefix_len,want", [(160, -1, 96), (50, -1, 30), (1, -1, 0), (50, 0, 0),
-                                                        (50, 49, 49)])
+@pytest.mark.parametrize(
+    "prompt_len,prefix_len,want", [(160, -1, 96), (50, -1, 30), (1, -1, 0), (50, 0, 0), (50, 49, 49)]
+)
 def test_prefix_len_default_is_derived_from_prompt_len(prompt_len, prefix_len, want):
     checked = params.check_window_prefill(**dict(PREFILL, prompt_len=prompt_len, prefix_len=prefix_len))
     assert checked["prefix_len"] == want and checked["prompt_len"] == prompt_len
@@ -91,16 +132,19 @@ def test_prefix_len_at_or_past_the_prompt_fails_naming_both(prefix_len):
         params.check_window_prefill(**dict(PREFILL, prompt_len=50, prefix_len=prefix_len))
 
 
-@pytest.mark.parametrize("override,match", [
-    ({"family": "llama"}, r"parameter family = 'llama' is not one of \['gemma4', 'gemma3'\]"),
-    ({"dtype": "float64"}, "parameter dtype = 'float64'"),
-    ({"backend": "triton"}, "parameter backend = 'triton'"),
-    ({"head_dim": 255}, "head_dim = 255 must be even"),
-    ({"page_size": 0}, "parameter page_size = 0 must be >= 1"),
-    ({"sliding_window": "0"}, "parameter sliding_window = 0 must be >= 1"),
-    ({"prefix_len": -2}, "parameter prefix_len = -2 must be >= -1"),
-    ({"device": "tpu"}, "parameter device = 'tpu'"),
-])
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ({"family": "llama"}, r"parameter family = 'llama' is not one of \['gemma4', 'gemma3'\]"),
+        ({"dtype": "float64"}, "parameter dtype = 'float64'"),
+        ({"backend": "triton"}, "parameter backend = 'triton'"),
+        ({"head_dim": 255}, "head_dim = 255 must be even"),
+        ({"page_size": 0}, "parameter page_size = 0 must be >= 1"),
+        ({"sliding_window": "0"}, "parameter sliding_window = 0 must be >= 1"),
+        ({"prefix_len": -2}, "parameter prefix_len = -2 must be >= -1"),
+        ({"device": "tpu"}, "parameter device = 'tpu'"),
+    ],
+)
 def test_window_prefill_errors_name_the_parameter(override, match):
     with pytest.raises(PagedWindowError, match=match):
         params.check_window_prefill(**dict(PREFILL, **override))
@@ -108,25 +152,32 @@ def test_window_prefill_errors_name_the_parameter(override, match):
 
 # -- notebook 02 -----------------------------------------------------------------------------------------------------
 def test_explorer_parses_list_strings():
-    checked = params.check_kernel_explorer(**dict(EXPLORER, seq_lens="[50, 3, 0]", start_positions="[0, 9, 4]",
-                                                  page_size="16", err_slack="0.001"))
+    checked = params.check_kernel_explorer(
+        **dict(EXPLORER, seq_lens="[50, 3, 0]", start_positions="[0, 9, 4]", page_size="16", err_slack="0.001")
+    )
     assert checked["seq_lens"] == [50, 3, 0] and checked["start_positions"] == [0, 9, 4]
     assert checked["page_size"] == 16 and checked["err_slack"] == 0.001
 
 
-@pytest.mark.parametrize("override,match", [
-    ({"page_size": 0}, "parameter page_size = 0 must be >= 1"),  # was a ZeroDivisionError
-    ({"seq_lens": [1, 2]}, r"seq_lens \(2 values\) and start_positions \(4 values\)"),
-    ({"seq_lens": [0, 1, 20, 0], "start_positions": [0, 24, 11, 9]}, r"request 0 has start_positions\[0\] \+ "
-                                                                      r"seq_lens\[0\] = 0"),
-    ({"num_kv_heads": 3}, "num_qo_heads = 4 must be a multiple of num_kv_heads = 3"),
-    ({"window_left": -2}, "parameter window_left = -2 must be >= -1"),
-    ({"cta_tile_q": 32}, r"parameter cta_tile_q = 32 is not 0 \(the plan's rule\) or one of \[16, 64, 128\]"),
-    ({"sm_scale": 0}, "parameter sm_scale = 0 must be > 0"),
-    ({"dtype": "int8"}, "parameter dtype = 'int8'"),
-    ({"err_factor": -1}, "parameter err_factor = -1 must be >= 0"),
-    ({"max_requests_drawn": 0}, "parameter max_requests_drawn = 0 must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ({"page_size": 0}, "parameter page_size = 0 must be >= 1"),  # was a ZeroDivisionError
+        ({"seq_lens": [1, 2]}, r"seq_lens \(2 values\) and start_positions \(4 values\)"),
+        (
+            {"seq_lens": [0, 1, 20, 0], "start_positions": [0, 24, 11, 9]},
+            r"request 0 has start_positions\[0\] \+ "
+            r"seq_lens\[0\] = 0",
+        ),
+        ({"num_kv_heads": 3}, "num_qo_heads = 4 must be a multiple of num_kv_heads = 3"),
+        ({"window_left": -2}, "parameter window_left = -2 must be >= -1"),
+        ({"cta_tile_q": 32}, r"parameter cta_tile_q = 32 is not 0 \(the plan's rule\) or one of \[16, 64, 128\]"),
+        ({"sm_scale": 0}, "parameter sm_scale = 0 must be > 0"),
+        ({"dtype": "int8"}, "parameter dtype = 'int8'"),
+        ({"err_factor": -1}, "parameter err_factor = -1 must be >= 0"),
+        ({"max_requests_drawn": 0}, "parameter max_requests_drawn = 0 must be >= 1"),
+    ],
+)
 def test_explorer_errors_name_the_parameter(override, match):
     with pytest.raises(PagedWindowError, match=match):
         params.check_kernel_explorer(**dict(EXPLORER, **override))
@@ -150,22 +201,28 @@ def test_benchmark_checks():
         params.check_benchmark(**dict(BENCH, results_dir=3))
 
 
-@pytest.mark.parametrize("given,want", [
-    ([], ["pagedwindow", "flashinfer_fa2", "flashinfer_fa3", "flex", "sdpa"]),  # empty: all, in the table's order
-    ("", ["pagedwindow", "flashinfer_fa2", "flashinfer_fa3", "flex", "sdpa"]),
-    ("[sdpa, pagedwindow]", ["pagedwindow", "sdpa"]),                           # what `papermill -p` passes
-    ("sdpa,pagedwindow", ["pagedwindow", "sdpa"]),
-    ("sdpa", ["sdpa"]),
-])
+@pytest.mark.parametrize(
+    "given,want",
+    [
+        ([], ["pagedwindow", "flashinfer_fa2", "flashinfer_fa3", "flex", "sdpa"]),  # empty: all, in the table's order
+        ("", ["pagedwindow", "flashinfer_fa2", "flashinfer_fa3", "flex", "sdpa"]),
+        ("[sdpa, pagedwindow]", ["pagedwindow", "sdpa"]),  # what `papermill -p` passes
+        ("sdpa,pagedwindow", ["pagedwindow", "sdpa"]),
+        ("sdpa", ["sdpa"]),
+    ],
+)
 def test_benchmark_systems_are_names_from_the_table(given, want):
     assert params.check_benchmark(**dict(BENCH, systems=given))["systems"] == want
 
 
-@pytest.mark.parametrize("given,match", [
-    ("[sdpa, flashattn]", r"systems: \['flashattn'\] not among"),
-    (3, "parameter systems must be a list of names"),
-    ({"a": 1}, "parameter systems must be a list of names"),
-])
+@pytest.mark.parametrize(
+    "given,match",
+    [
+        ("[sdpa, flashattn]", r"systems: \['flashattn'\] not among"),
+        (3, "parameter systems must be a list of names"),
+        ({"a": 1}, "parameter systems must be a list of names"),
+    ],
+)
 def test_benchmark_systems_refuse_unknown_names(given, match):
     with pytest.raises(PagedWindowError, match=match):
         params.check_benchmark(**dict(BENCH, systems=given))
@@ -177,8 +234,11 @@ def test_the_cell_after_the_parameters_checks_every_parameter(stem):
     nb = nbformat.read(str(NOTEBOOKS / f"{stem}.ipynb"), as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert "parameters" in code[0].metadata.get("tags", [])
-    calls = [n for n in ast.walk(ast.parse(code[1].source)) if isinstance(n, ast.Call)
-             and isinstance(n.func, ast.Attribute) and n.func.attr == CHECKS[stem]]
+    calls = [
+        n
+        for n in ast.walk(ast.parse(code[1].source))
+        if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == CHECKS[stem]
+    ]
     assert len(calls) == 1, f"{stem}: the second code cell does not call params.{CHECKS[stem]}"
     passed = {k.arg: k.value.id for k in calls[0].keywords}
     declared = set(papermill.inspect_notebook(str(NOTEBOOKS / f"{stem}.ipynb"))) - {"out_dir"}
@@ -191,17 +251,25 @@ def _run(stem: str, tmp_path: Path, **overrides):
     (run,) = report.plan_runs(report.load_params(report.resolve_params("smoke", NOTEBOOKS)), declared, [stem])
     out = tmp_path / stem
     with report._kernel_environment(NOTEBOOKS.parent):
-        papermill.execute_notebook(str(NOTEBOOKS / f"{stem}.ipynb"), str(tmp_path / f"{stem}.ipynb"),
-                                   parameters=dict(run.parameters, **overrides, out_dir=str(out)),
-                                   kernel_name="python3", progress_bar=False, cwd=str(tmp_path))
+        papermill.execute_notebook(
+            str(NOTEBOOKS / f"{stem}.ipynb"),
+            str(tmp_path / f"{stem}.ipynb"),
+            parameters=dict(run.parameters, **overrides, out_dir=str(out)),
+            kernel_name="python3",
+            progress_bar=False,
+            cwd=str(tmp_path),
+        )
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stem,overrides,match", [
-    ("02_kernel_explorer", {"page_size": 0}, "parameter page_size = 0 must be >= 1"),
-    ("01_window_prefill_vs_hf", {"num_qo_heads": 3}, "num_qo_heads = 3 must be a multiple of num_kv_heads = 2"),
-])
+@pytest.mark.parametrize(
+    "stem,overrides,match",
+    [
+        ("02_kernel_explorer", {"page_size": 0}, "parameter page_size = 0 must be >= 1"),
+        ("01_window_prefill_vs_hf", {"num_qo_heads": 3}, "num_qo_heads = 3 must be a multiple of num_kv_heads = 2"),
+    ],
+)
 def test_a_bad_parameter_stops_the_notebook_in_its_check_cell(tmp_path, stem, overrides, match):
     with pytest.raises(papermill.PapermillExecutionError) as info:
         _run(stem, tmp_path, **overrides)

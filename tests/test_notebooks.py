@@ -22,12 +22,40 @@ PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
 IDS = [p.stem for p in PATHS]
 PARAMETER_LINE = re.compile(r"^\w+: [\w\[\], ]+ = .+ {2}# \S.*$")
 REQUIRED = {
-    "01_window_prefill_vs_hf": {"family", "sliding_window", "page_size", "prompt_len", "prefix_len", "dtype",
-                                "backend", "seed", "out_dir"},
-    "02_kernel_explorer": {"page_size", "seq_lens", "start_positions", "num_qo_heads", "num_kv_heads", "window_left",
-                           "cta_tile_q", "backend", "seed", "out_dir"},
-    "03_greedy_decode_oracle": {"family", "sliding_window", "page_size", "prompt_len", "max_new_tokens", "dtype",
-                                "backend", "seed", "out_dir"},
+    "01_window_prefill_vs_hf": {
+        "family",
+        "sliding_window",
+        "page_size",
+        "prompt_len",
+        "prefix_len",
+        "dtype",
+        "backend",
+        "seed",
+        "out_dir",
+    },
+    "02_kernel_explorer": {
+        "page_size",
+        "seq_lens",
+        "start_positions",
+        "num_qo_heads",
+        "num_kv_heads",
+        "window_left",
+        "cta_tile_q",
+        "backend",
+        "seed",
+        "out_dir",
+    },
+    "03_greedy_decode_oracle": {
+        "family",
+        "sliding_window",
+        "page_size",
+        "prompt_len",
+        "max_new_tokens",
+        "dtype",
+        "backend",
+        "seed",
+        "out_dir",
+    },
     "04_benchmark": {"results_dir", "run_benchmark", "out_dir"},
 }
 
@@ -61,8 +89,7 @@ def test_notebook_code_passes_ruff():
     exe = shutil.which("ruff") or str(Path(sys.executable).with_name("ruff"))
     if not Path(exe).exists():
         pytest.fail("ruff is not installed (it is in the [test] extra)")
-    result = subprocess.run([exe, "check", *map(str, PATHS)], capture_output=True, text=True,
-                            cwd=NOTEBOOKS.parent)
+    result = subprocess.run([exe, "check", *map(str, PATHS)], capture_output=True, text=True, cwd=NOTEBOOKS.parent)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -72,8 +99,9 @@ def test_first_code_cell_is_the_documented_parameters_cell(path):
     first = next(c for c in nb.cells if c.cell_type == "code")
     assert "parameters" in first.metadata.get("tags", []), f"{path.name}: first code cell is not tagged"
     tree = ast.parse(first.source)
-    assert all(isinstance(node, ast.AnnAssign) and node.simple for node in tree.body), \
+    assert all(isinstance(node, ast.AnnAssign) and node.simple for node in tree.body), (
         f"{path.name}: the parameters cell holds something other than annotated assignments"
+    )
     lines = [line for line in first.source.splitlines() if line.strip()]
     assert len(lines) == len(tree.body), f"{path.name}: one assignment per line"
     for line in lines:
@@ -96,8 +124,14 @@ def _execute(stem: str, tmp_path: Path, **overrides) -> dict:
     out = tmp_path / stem
     params = dict(_smoke_parameters(stem), **overrides, out_dir=str(out))
     with report._kernel_environment(NOTEBOOKS.parent):
-        papermill.execute_notebook(str(NOTEBOOKS / f"{stem}.ipynb"), str(tmp_path / f"{stem}.ipynb"),
-                                   parameters=params, kernel_name="python3", progress_bar=False, cwd=str(tmp_path))
+        papermill.execute_notebook(
+            str(NOTEBOOKS / f"{stem}.ipynb"),
+            str(tmp_path / f"{stem}.ipynb"),
+            parameters=params,
+            kernel_name="python3",
+            progress_bar=False,
+            cwd=str(tmp_path),
+        )
     return json.loads((out / "metrics.json").read_text())
 
 
@@ -152,14 +186,23 @@ def test_04_benchmark_without_results_passes_and_says_so(tmp_path):
 def test_04_benchmark_plots_a_results_file(tmp_path):
     results = tmp_path / "results"
     results.mkdir()
-    records = [{"system": s, "workload": w, "ms": ms, "useful_tflops": None if ms is None else 100 / ms,
-                "max_abs_err": None if ms is None else 4e-3}
-               for w in ("prefill_1x8192", "decode_64x4096")
-               for s, ms in (("pagedwindow", 0.5), ("flashinfer_fa2", 0.6), ("flex", None))]
-    (results / "h200-2026-01-01.json").write_text(json.dumps({"gpu": "old", "peak_bf16_tflops": 700.0,
-                                                              "records": records}))
-    (results / "h200-2026-02-01.json").write_text(json.dumps({"gpu": "NVIDIA H200", "peak_bf16_tflops": 750.0,
-                                                              "records": records}))
+    records = [
+        {
+            "system": s,
+            "workload": w,
+            "ms": ms,
+            "useful_tflops": None if ms is None else 100 / ms,
+            "max_abs_err": None if ms is None else 4e-3,
+        }
+        for w in ("prefill_1x8192", "decode_64x4096")
+        for s, ms in (("pagedwindow", 0.5), ("flashinfer_fa2", 0.6), ("flex", None))
+    ]
+    (results / "h200-2026-01-01.json").write_text(
+        json.dumps({"gpu": "old", "peak_bf16_tflops": 700.0, "records": records})
+    )
+    (results / "h200-2026-02-01.json").write_text(
+        json.dumps({"gpu": "NVIDIA H200", "peak_bf16_tflops": 750.0, "records": records})
+    )
     m = _execute("04_benchmark", tmp_path, results_dir=str(results))
     assert m["passed"] is True and m["measured"] is True and m["measured_here"] is False
     assert m["gpu"] == "NVIDIA H200" and m["results_file"] == "results/h200-2026-02-01.json"  # relative to cwd

@@ -27,8 +27,9 @@ GOOD = dict(page_indices=[[3, 1], [0]], last_page_lens=[2, 3], start_positions=[
 
 def build(**overrides):
     args = {**GOOD, **HEADS, **overrides}
-    return pw.PrefillPagedPlan.batch(args.pop("page_indices"), args.pop("last_page_lens"),
-                                     args.pop("start_positions"), args.pop("seq_lens"), **args)
+    return pw.PrefillPagedPlan.batch(
+        args.pop("page_indices"), args.pop("last_page_lens"), args.pop("start_positions"), args.pop("seq_lens"), **args
+    )
 
 
 def test_good_plan_arrays():
@@ -49,35 +50,41 @@ def test_tile_constants_are_shared():
     assert tiles.device_traits(torch.device("cpu")) == ((9, 0), 132)
 
 
-@pytest.mark.parametrize("seq_lens, group, tile, reason", [
-    ([8], 2, 16, "all 16 packed rows fit one 16-row tile"),
-    ([4, 0, 4], 2, 16, "all 16 packed rows fit one 16-row tile"),
-    ([0], 4, 16, "all 0 packed rows fit one 16-row tile"),
-    ([9], 2, 64, "policy sm_90: 18 packed rows per request < 128"),
-    ([1, 1, 1, 1, 1, 1, 1, 1, 1], 2, 64, "policy sm_90: 2 packed rows per request < 128"),  # decode
-    ([64], 2, 64, "policy sm_90: 8 CTAs at tile 128 leave some of 132 SMs idle"),  # too few CTAs for 128
-    ([1024] * 17, 2, 128, "policy sm_90: 2048 packed rows per request >= 128, 2176 CTAs"),
-    ([256], 2, 64, "policy sm_90: 32 CTAs at tile 128"),  # a 256-token chunk: 4 tiles x 8 heads
-    ([63], 2, 64, "policy sm_90: 126 packed rows per request < 128"),
-    ([200, 1, 0, 0], 1, 64, "policy sm_90: 100 packed rows per request < 128"),  # idle requests do not count
-    # the 128-row grid sums ceil(rows / 128) over the requests: 16 + 1 tiles x 8 heads = 136 CTAs fill 132 SMs ...
-    ([2047, 1, 0], 1, 128, "policy sm_90: 1024 packed rows per request >= 128, 136 CTAs"),
-    # ... and without the 1-row request's tile 16 x 8 = 128 CTAs do not
-    ([2047, 0], 1, 64, "policy sm_90: 128 CTAs at tile 128 leave some of 132 SMs idle"),
-    ([2048, 16], 1, 128, "policy sm_90: 1032 packed rows per request >= 128, 136 CTAs"),
-    ([32] * 40, 8, 128, "policy sm_90: 256 packed rows per request >= 128, 640 CTAs"),
-])
+@pytest.mark.parametrize(
+    "seq_lens, group, tile, reason",
+    [
+        ([8], 2, 16, "all 16 packed rows fit one 16-row tile"),
+        ([4, 0, 4], 2, 16, "all 16 packed rows fit one 16-row tile"),
+        ([0], 4, 16, "all 0 packed rows fit one 16-row tile"),
+        ([9], 2, 64, "policy sm_90: 18 packed rows per request < 128"),
+        ([1, 1, 1, 1, 1, 1, 1, 1, 1], 2, 64, "policy sm_90: 2 packed rows per request < 128"),  # decode
+        ([64], 2, 64, "policy sm_90: 8 CTAs at tile 128 leave some of 132 SMs idle"),  # too few CTAs for 128
+        ([1024] * 17, 2, 128, "policy sm_90: 2048 packed rows per request >= 128, 2176 CTAs"),
+        ([256], 2, 64, "policy sm_90: 32 CTAs at tile 128"),  # a 256-token chunk: 4 tiles x 8 heads
+        ([63], 2, 64, "policy sm_90: 126 packed rows per request < 128"),
+        ([200, 1, 0, 0], 1, 64, "policy sm_90: 100 packed rows per request < 128"),  # idle requests do not count
+        # the 128-row grid sums ceil(rows / 128) over the requests: 16 + 1 tiles x 8 heads = 136 CTAs fill 132 SMs ...
+        ([2047, 1, 0], 1, 128, "policy sm_90: 1024 packed rows per request >= 128, 136 CTAs"),
+        # ... and without the 1-row request's tile 16 x 8 = 128 CTAs do not
+        ([2047, 0], 1, 64, "policy sm_90: 128 CTAs at tile 128 leave some of 132 SMs idle"),
+        ([2048, 16], 1, 128, "policy sm_90: 1032 packed rows per request >= 128, 136 CTAs"),
+        ([32] * 40, 8, 128, "policy sm_90: 256 packed rows per request >= 128, 640 CTAs"),
+    ],
+)
 def test_tile_for_batch_on_a_cpu_host_is_the_hopper_rule(seq_lens, group, tile, reason):
     got = tiles.tile_for_batch(np.array(seq_lens, dtype=np.int64), group, 8, "cpu")
     assert got[0] == tile and reason in got[1], got
 
 
-@pytest.mark.parametrize("tokens, batch, tile, reason", [
-    (64, 1, 128, "policy sm_90 capacity: 64 tokens per request >= 64"),
-    (4096, 8, 128, "policy sm_90 capacity: 512 tokens per request >= 64"),
-    (63, 1, 64, "policy sm_90 capacity: 63 tokens per request"),
-    (256, 256, 64, "policy sm_90 capacity: 1 tokens per request"),
-])
+@pytest.mark.parametrize(
+    "tokens, batch, tile, reason",
+    [
+        (64, 1, 128, "policy sm_90 capacity: 64 tokens per request >= 64"),
+        (4096, 8, 128, "policy sm_90 capacity: 512 tokens per request >= 64"),
+        (63, 1, 64, "policy sm_90 capacity: 63 tokens per request"),
+        (256, 256, 64, "policy sm_90 capacity: 1 tokens per request"),
+    ],
+)
 def test_tile_for_capacity_on_a_cpu_host(tokens, batch, tile, reason):
     assert tiles.tile_for_capacity(tokens, batch, "cpu") == (tile, reason)
 
@@ -85,8 +92,7 @@ def test_tile_for_capacity_on_a_cpu_host(tokens, batch, tile, reason):
 def test_plans_take_the_policy_tile_and_an_explicit_tile_wins():
     small = build(page_indices=[[0]], last_page_lens=[3], start_positions=[0], seq_lens=[3], device="cpu")
     assert small.cta_tile_q == 16 and small.num_tiles == 1 and "16-row tile" in small.tile_reason
-    big = build(page_indices=[[3, 1, 2, 4, 5]], last_page_lens=[1], start_positions=[0], seq_lens=[17],
-                device="cpu")
+    big = build(page_indices=[[3, 1, 2, 4, 5]], last_page_lens=[1], start_positions=[0], seq_lens=[17], device="cpu")
     assert (big.cta_tile_q, big.num_tiles) == (64, 1)
     assert big.tile_reason == "policy sm_90: 34 packed rows per request < 128"
     # 136 packed rows per request, but only 2 tiles x 2 KV heads = 4 CTAs at tile 128 on 132 SMs: 64
@@ -109,31 +115,35 @@ def test_plans_take_the_policy_tile_and_an_explicit_tile_wins():
         assert explicit.num_tiles == -(-136 // tile)
         assert explicit.qo_tile_indices.tolist() == list(range(-(-136 // tile)))
         assert f"tile: cta_tile_q={tile} (explicit)" in explicit.describe()
-    assert build(page_indices=[[3, 1, 2, 4, 5]], last_page_lens=[1], start_positions=[0], seq_lens=[17],
-                 cta_tile_q=16).qo_tile_indices.tolist() == [0, 1, 2]
+    assert build(
+        page_indices=[[3, 1, 2, 4, 5]], last_page_lens=[1], start_positions=[0], seq_lens=[17], cta_tile_q=16
+    ).qo_tile_indices.tolist() == [0, 1, 2]
 
 
 def test_preallocated_fixes_its_tile_from_capacity():
-    roomy = pw.PrefillPagedPlan.preallocated(max_total_tokens=1024, max_total_pages=64, max_batch=4, max_tiles=64,
-                                             device="cpu")
+    roomy = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=1024, max_total_pages=64, max_batch=4, max_tiles=64, device="cpu"
+    )
     assert roomy.cta_tile_q == 128 and roomy.tile_reason == "policy sm_90 capacity: 256 tokens per request >= 64"
     assert not roomy.filled and "cta_tile_q=128" in repr(roomy) and "policy sm_90 capacity" in roomy.describe()
     roomy.update(**GOOD, **HEADS)  # a 14-row batch the batch policy would give 16: the fixed tile wins
     assert roomy.cta_tile_q == 128 and roomy.request_indices.tolist() == [0, 1]
-    decode = pw.PrefillPagedPlan.preallocated(max_total_tokens=32, max_total_pages=64, max_batch=32, max_tiles=64,
-                                              device="cpu")
+    decode = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=32, max_total_pages=64, max_batch=32, max_tiles=64, device="cpu"
+    )
     assert decode.cta_tile_q == 64 and decode.tile_reason == "policy sm_90 capacity: 1 tokens per request"
-    explicit = pw.PrefillPagedPlan.preallocated(max_total_tokens=1024, max_total_pages=64, max_batch=4,
-                                                max_tiles=64, cta_tile_q=16, device="cpu")
+    explicit = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=1024, max_total_pages=64, max_batch=4, max_tiles=64, cta_tile_q=16, device="cpu"
+    )
     assert explicit.cta_tile_q == 16 and explicit.tile_reason == "explicit"
     with pytest.raises(pw.PagedWindowError, match=r"cta_tile_q = 32 is not a supported tile \(16, 64, 128\)"):
-        pw.PrefillPagedPlan.preallocated(max_total_tokens=8, max_total_pages=4, max_batch=2, max_tiles=2,
-                                         cta_tile_q=32)
+        pw.PrefillPagedPlan.preallocated(max_total_tokens=8, max_total_pages=4, max_batch=2, max_tiles=2, cta_tile_q=32)
 
 
 def test_update_keeps_the_fixed_tile_and_refuses_another():
-    plan = pw.PrefillPagedPlan.preallocated(max_total_tokens=64, max_total_pages=16, max_batch=4, max_tiles=16,
-                                            cta_tile_q=64, device="cpu")
+    plan = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=64, max_total_pages=16, max_batch=4, max_tiles=16, cta_tile_q=64, device="cpu"
+    )
     plan.update(**GOOD, **HEADS)
     assert plan.cta_tile_q == 64 and plan.num_tiles == 2
     plan.update(**GOOD, **HEADS, cta_tile_q=64)  # the same tile, spelled out, is fine
@@ -163,16 +173,24 @@ def test_update_keeps_the_fixed_tile_and_refuses_another():
         (dict(start_positions=[-1, 0]), "start_positions[0] = -1"),
         (dict(page_indices=[[3, -1], [0]]), "page id page_indices[0][1] = -1 is below its minimum 0"),
         (dict(page_indices=[[3, 1], [-2]]), "page id page_indices[1][0] = -2 is below its minimum 0"),
-        (dict(page_indices=[[3, 2**31], [0]]), "page id page_indices[0][1] = 2147483648 does not fit in int32 "
-         "(bound 2147483647)"),
-        (dict(page_indices=[[3, 3], [0]]), "page id 3 appears more than once in request 0's pages "
-         "(page_indices[0][0] and page_indices[0][1])"),
+        (
+            dict(page_indices=[[3, 2**31], [0]]),
+            "page id page_indices[0][1] = 2147483648 does not fit in int32 (bound 2147483647)",
+        ),
+        (
+            dict(page_indices=[[3, 3], [0]]),
+            "page id 3 appears more than once in request 0's pages (page_indices[0][0] and page_indices[0][1])",
+        ),
         (dict(page_indices=[[3], [0]]), "1 pages do not cover kv_len 6"),
         (dict(page_indices=[[3, 1, 2], [0]]), "3 pages do not cover kv_len 6"),
-        (dict(page_indices=[[], [0]], last_page_lens=[0, 3], start_positions=[0, 0], seq_lens=[0, 3]),
-         "page_indices[0] is empty"),
-        (dict(page_indices=[[5], [0]], last_page_lens=[1, 3], start_positions=[0, 0], seq_lens=[0, 3]),
-         "request 0 has kv_len 0"),
+        (
+            dict(page_indices=[[], [0]], last_page_lens=[0, 3], start_positions=[0, 0], seq_lens=[0, 3]),
+            "page_indices[0] is empty",
+        ),
+        (
+            dict(page_indices=[[5], [0]], last_page_lens=[1, 3], start_positions=[0, 0], seq_lens=[0, 3]),
+            "request 0 has kv_len 0",
+        ),
         (dict(last_page_lens=[3, 3]), "last_page_lens[0] = 3 disagrees with kv_len 6"),
         (dict(last_page_lens=[5, 3]), "last_page_lens[0] = 5"),
         (dict(cta_tile_q=32), "cta_tile_q = 32 is not a supported tile"),
@@ -194,45 +212,69 @@ def test_heads_are_settled_before_anything_divides():
 
 def test_packed_rows_past_int32_fail():
     with pytest.raises(pw.PagedWindowError, match="packed rows"):
-        pw.PrefillPagedPlan.single(list(range(1024)), 2**20, 0, 2**30, num_qo_heads=2, num_kv_heads=1,
-                                   head_dim=8, page_size=2**20)
+        pw.PrefillPagedPlan.single(
+            list(range(1024)), 2**20, 0, 2**30, num_qo_heads=2, num_kv_heads=1, head_dim=8, page_size=2**20
+        )
 
 
 def test_tensor_inputs_accepted():
-    plan = pw.PrefillPagedPlan.batch([torch.tensor([3, 1]), torch.tensor([0])], torch.tensor([2, 3]),
-                                     torch.tensor([2, 0]), torch.tensor([4, 3]), **HEADS)
+    plan = pw.PrefillPagedPlan.batch(
+        [torch.tensor([3, 1]), torch.tensor([0])],
+        torch.tensor([2, 3]),
+        torch.tensor([2, 0]),
+        torch.tensor([4, 3]),
+        **HEADS,
+    )
     assert plan == build()
 
 
 def test_numpy_inputs_accepted():
-    plan = pw.PrefillPagedPlan.batch([np.array([3, 1]), np.array([0], dtype=np.int32)], np.array([2, 3]),
-                                     np.array([2, 0], dtype=np.uint16), np.array([4, 3], dtype=np.int64), **HEADS)
+    plan = pw.PrefillPagedPlan.batch(
+        [np.array([3, 1]), np.array([0], dtype=np.int32)],
+        np.array([2, 3]),
+        np.array([2, 0], dtype=np.uint16),
+        np.array([4, 3], dtype=np.int64),
+        **HEADS,
+    )
     assert plan == build()
 
 
-@pytest.mark.parametrize("requests, fragment", [
-    # write/write: both requests put their first new row into page 0 slot 0
-    (([[0], [0]], [2, 2], [0, 0], [2, 2]), "requests 0 and 1 both write page 0 slot 0"),
-    # write/write past a shared read-only prefix: both read slots 0..1 of page 5, both write slot 2
-    (([[5], [5]], [3, 4], [2, 2], [1, 2]), "requests 0 and 1 both write page 5 slot 2"),
-    # write/write on the second page of one request and the first of the other
-    (([[9, 5], [5]], [1, 1], [4, 0], [1, 1]), "requests 0 and 1 both write page 5 slot 0"),
-    # write/read: request 1 writes slot 2 of page 0, which request 0 reads as its full cached prefix
-    (([[0, 1], [0]], [1, 4], [4, 2], [1, 2]),
-     "request 1 writes new rows into page 0 slot 2, which request 0 reads as cached prefix (slots 0..3)"),
-    # write/read against a request with no new rows (it only reads)
-    (([[3], [3]], [3, 1], [3, 0], [0, 1]),
-     "request 1 writes new rows into page 3 slot 0, which request 0 reads as cached prefix (slots 0..2)"),
-    # write/read: the writer comes first in the batch
-    (([[7], [2, 7]], [2, 2], [0, 5], [2, 1]),
-     "request 0 writes new rows into page 7 slot 0, which request 1 reads as cached prefix (slots 0..0)"),
-    # a page repeated inside one request that only reads
-    (([[3, 3], [0]], [4, 1], [8, 0], [0, 1]),
-     "page id 3 appears more than once in request 0's pages (page_indices[0][0] and page_indices[0][1])"),
-    # ... and in a later request, not next to each other
-    (([[0], [2, 5, 2]], [2, 1], [0, 8], [2, 1]),
-     "page id 2 appears more than once in request 1's pages (page_indices[1][0] and page_indices[1][2])"),
-])
+@pytest.mark.parametrize(
+    "requests, fragment",
+    [
+        # write/write: both requests put their first new row into page 0 slot 0
+        (([[0], [0]], [2, 2], [0, 0], [2, 2]), "requests 0 and 1 both write page 0 slot 0"),
+        # write/write past a shared read-only prefix: both read slots 0..1 of page 5, both write slot 2
+        (([[5], [5]], [3, 4], [2, 2], [1, 2]), "requests 0 and 1 both write page 5 slot 2"),
+        # write/write on the second page of one request and the first of the other
+        (([[9, 5], [5]], [1, 1], [4, 0], [1, 1]), "requests 0 and 1 both write page 5 slot 0"),
+        # write/read: request 1 writes slot 2 of page 0, which request 0 reads as its full cached prefix
+        (
+            ([[0, 1], [0]], [1, 4], [4, 2], [1, 2]),
+            "request 1 writes new rows into page 0 slot 2, which request 0 reads as cached prefix (slots 0..3)",
+        ),
+        # write/read against a request with no new rows (it only reads)
+        (
+            ([[3], [3]], [3, 1], [3, 0], [0, 1]),
+            "request 1 writes new rows into page 3 slot 0, which request 0 reads as cached prefix (slots 0..2)",
+        ),
+        # write/read: the writer comes first in the batch
+        (
+            ([[7], [2, 7]], [2, 2], [0, 5], [2, 1]),
+            "request 0 writes new rows into page 7 slot 0, which request 1 reads as cached prefix (slots 0..0)",
+        ),
+        # a page repeated inside one request that only reads
+        (
+            ([[3, 3], [0]], [4, 1], [8, 0], [0, 1]),
+            "page id 3 appears more than once in request 0's pages (page_indices[0][0] and page_indices[0][1])",
+        ),
+        # ... and in a later request, not next to each other
+        (
+            ([[0], [2, 5, 2]], [2, 1], [0, 8], [2, 1]),
+            "page id 2 appears more than once in request 1's pages (page_indices[1][0] and page_indices[1][2])",
+        ),
+    ],
+)
 def test_shared_page_conflicts_are_refused_at_construction(requests, fragment):
     pages, lasts, starts, seqs = requests
     with pytest.raises(pw.PagedWindowError) as err:
@@ -265,25 +307,33 @@ def test_shared_read_only_prefix_is_accepted():
 
 
 def test_preallocated_update_validates_then_commits():
-    plan = pw.PrefillPagedPlan.preallocated(max_total_tokens=8, max_total_pages=4, max_batch=2, max_tiles=2,
-                                            cta_tile_q=16)
+    plan = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=8, max_total_pages=4, max_batch=2, max_tiles=2, cta_tile_q=16
+    )
     assert not plan.filled and "unfilled" in repr(plan)
     with pytest.raises(pw.PagedWindowError, match="never filled"):
         _ = plan.total_tokens
-    assert plan.to_dict() == {"capacity": {"max_total_tokens": 8, "max_total_pages": 4, "max_batch": 2,
-                                           "max_tiles": 2}, "cta_tile_q": 16}
+    assert plan.to_dict() == {
+        "capacity": {"max_total_tokens": 8, "max_total_pages": 4, "max_batch": 2, "max_tiles": 2},
+        "cta_tile_q": 16,
+    }
     assert not plan.device_buffer("cpu").any()
     plan.update(**GOOD, **HEADS)
     before, version = plan.to_dict(), plan.version
     buffer_before = plan.device_buffer("cpu")
     for bad, fragment in (
-            (dict(seq_lens=[4, 5], last_page_lens=[2, 1], page_indices=[[3, 1], [0, 2]]),
-             "total_tokens = 9 exceeds the plan's capacity 8"),
-            (dict(start_positions=[7, 0]), "request 0: 2 pages do not cover kv_len 11"),
-            (dict(num_kv_heads=0), "num_kv_heads = 0"),
-            (dict(page_indices=[[0, 1], [0]]),
-             "request 1 writes new rows into page 0 slot 0, which request 0 reads as cached prefix (slots 0..1)"),
-            (dict(cta_tile_q=64), "cta_tile_q = 64 differs from the plan's fixed tile 16")):
+        (
+            dict(seq_lens=[4, 5], last_page_lens=[2, 1], page_indices=[[3, 1], [0, 2]]),
+            "total_tokens = 9 exceeds the plan's capacity 8",
+        ),
+        (dict(start_positions=[7, 0]), "request 0: 2 pages do not cover kv_len 11"),
+        (dict(num_kv_heads=0), "num_kv_heads = 0"),
+        (
+            dict(page_indices=[[0, 1], [0]]),
+            "request 1 writes new rows into page 0 slot 0, which request 0 reads as cached prefix (slots 0..1)",
+        ),
+        (dict(cta_tile_q=64), "cta_tile_q = 64 differs from the plan's fixed tile 16"),
+    ):
         with pytest.raises(pw.PagedWindowError) as err:
             plan.update(**{**GOOD, **HEADS, **bad})
         assert fragment in str(err.value), str(err.value)
@@ -302,23 +352,56 @@ def test_preallocated_update_validates_then_commits():
 
 
 def test_buffer_segment_order():
-    plan = pw.PrefillPagedPlan.preallocated(max_total_tokens=16, max_total_pages=6, max_batch=3, max_tiles=5,
-                                            cta_tile_q=16)
+    plan = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=16, max_total_pages=6, max_batch=3, max_tiles=5, cta_tile_q=16
+    )
     cap = plan.capacity
-    assert PlanArrays._fields == ("scalars", "page_indptr", "last_page_len", "qo_indptr", "request_indices",
-                                  "qo_tile_indices", "page_indices")
+    assert PlanArrays._fields == (
+        "scalars",
+        "page_indptr",
+        "last_page_len",
+        "qo_indptr",
+        "request_indices",
+        "qo_tile_indices",
+        "page_indices",
+    )
     assert cap.segment_sizes() == (3, 4, 3, 4, 5, 5, 6)
     assert cap.segment_offsets() == (0, 3, 7, 10, 14, 19, 24) and cap.buffer_entries == 30
     plan.update(**GOOD, **HEADS)
     buffer = plan.device_buffer("cpu")
     assert buffer.dtype == torch.int32 and buffer.shape == (30,)
-    assert buffer.tolist() == [2, 7, 2,  # scalars: batch_size, total_tokens, num_tiles
-                               0, 2, 3, 0,  # page_indptr
-                               2, 3, 0,  # last_page_len
-                               0, 4, 7, 0,  # qo_indptr
-                               0, 1, 0, 0, 0,  # request_indices
-                               0, 0, 0, 0, 0,  # qo_tile_indices
-                               3, 1, 0, 0, 0, 0]  # page_indices
+    assert buffer.tolist() == [
+        2,
+        7,
+        2,  # scalars: batch_size, total_tokens, num_tiles
+        0,
+        2,
+        3,
+        0,  # page_indptr
+        2,
+        3,
+        0,  # last_page_len
+        0,
+        4,
+        7,
+        0,  # qo_indptr
+        0,
+        1,
+        0,
+        0,
+        0,  # request_indices
+        0,
+        0,
+        0,
+        0,
+        0,  # qo_tile_indices
+        3,
+        1,
+        0,
+        0,
+        0,
+        0,
+    ]  # page_indices
     views = plan.device_arrays("cpu")
     assert isinstance(views, PlanArrays)
     assert [len(v) for v in views] == list(cap.segment_sizes())
@@ -326,13 +409,13 @@ def test_buffer_segment_order():
 
 
 def test_property_copies_do_not_change_the_plan():
-    plan = pw.PrefillPagedPlan.preallocated(max_total_tokens=16, max_total_pages=6, max_batch=3, max_tiles=5,
-                                            cta_tile_q=16)
+    plan = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=16, max_total_pages=6, max_batch=3, max_tiles=5, cta_tile_q=16
+    )
     plan.update(**GOOD, **HEADS)
     before, buffer = plan.to_dict(), plan.device_buffer("cpu")
     bounds = (plan.max_page_index, plan.max_last_page_len)
-    for name in ("page_indices", "page_indptr", "last_page_len", "qo_indptr", "request_indices",
-                 "qo_tile_indices"):
+    for name in ("page_indices", "page_indptr", "last_page_len", "qo_indptr", "request_indices", "qo_tile_indices"):
         got = getattr(plan, name)
         assert got.numel() > 0
         got.fill_(1000)  # in place, past every bound
@@ -362,8 +445,9 @@ def test_round_trip_and_repr():
     data["derived"]["max_page_index"] = 9
     with pytest.raises(pw.PagedWindowError, match="the recorded 'derived' arrays disagree with the rebuilt plan"):
         pw.PrefillPagedPlan.from_dict(data)
-    empty = pw.PrefillPagedPlan.preallocated(max_total_tokens=8, max_total_pages=4, max_batch=2, max_tiles=2,
-                                             cta_tile_q=128)
+    empty = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=8, max_total_pages=4, max_batch=2, max_tiles=2, cta_tile_q=128
+    )
     assert empty.to_dict()["cta_tile_q"] == 128 and "page_indices" not in empty.to_dict()
     rebuilt = pw.PrefillPagedPlan.from_dict(json.loads(json.dumps(empty.to_dict())))
     assert not rebuilt.filled and rebuilt.cta_tile_q == 128 and rebuilt == empty
@@ -381,6 +465,7 @@ def test_window_conversion_is_w_minus_one():
 
 # -- property tests --------------------------------------------------------------------------------------------
 
+
 @st.composite
 def batches(draw):
     page_size = draw(st.sampled_from([1, 3, 16]))
@@ -394,13 +479,21 @@ def batches(draw):
     ids = draw(st.permutations(range(sum(need) + 2)))
     pages, at = [], 0
     for k in need:
-        pages.append(list(ids[at: at + k]))
+        pages.append(list(ids[at : at + k]))
         at += k
     lasts = [x - (k - 1) * page_size for x, k in zip(kv, need)]
     tile = draw(st.sampled_from([None, *SUPPORTED_CTA_TILE_Q]))
-    return dict(page_indices=pages, last_page_lens=lasts, start_positions=starts, seq_lens=seqs,
-                num_qo_heads=kv_heads * group, num_kv_heads=kv_heads, head_dim=8, page_size=page_size,
-                cta_tile_q=tile)
+    return dict(
+        page_indices=pages,
+        last_page_lens=lasts,
+        start_positions=starts,
+        seq_lens=seqs,
+        num_qo_heads=kv_heads * group,
+        num_kv_heads=kv_heads,
+        head_dim=8,
+        page_size=page_size,
+        cta_tile_q=tile,
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -422,8 +515,9 @@ def test_plan_invariants(args):
     expected = {(r, p) for r in range(plan.batch_size) for p in range((qo[r + 1] - qo[r]) * group)}
     assert set(covered) == expected and all(c == 1 for c in covered.values())
     # update into a roomy preallocated plan with the same fixed tile is the same as a fresh build
-    roomy = pw.PrefillPagedPlan.preallocated(max_total_tokens=400, max_total_pages=600, max_batch=8,
-                                             max_tiles=800, cta_tile_q=plan.cta_tile_q)
+    roomy = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=400, max_total_pages=600, max_batch=8, max_tiles=800, cta_tile_q=plan.cta_tile_q
+    )
     other = next(t for t in SUPPORTED_CTA_TILE_Q if t != plan.cta_tile_q)
     with pytest.raises(pw.PagedWindowError, match=f"cta_tile_q = {other} differs from the plan's fixed tile"):
         roomy.update(**{**args, "cta_tile_q": other})

@@ -37,14 +37,16 @@ GOOD_REQUESTS = dict(page_indices=[[3, 1], [0]], last_page_lens=[2, 3], start_po
 
 def from_csr(**overrides):
     args = {**GOOD, **HEADS, **overrides}
-    return pw.PrefillPagedPlan.from_csr(args.pop("qo_indptr"), args.pop("kv_indptr"), args.pop("kv_indices"),
-                                        args.pop("last_page_len"), **args)
+    return pw.PrefillPagedPlan.from_csr(
+        args.pop("qo_indptr"), args.pop("kv_indptr"), args.pop("kv_indices"), args.pop("last_page_len"), **args
+    )
 
 
 def update_csr(plan, **overrides):
     args = {**GOOD, **HEADS, **overrides}
-    return plan.update_csr(args.pop("qo_indptr"), args.pop("kv_indptr"), args.pop("kv_indices"),
-                           args.pop("last_page_len"), **args)
+    return plan.update_csr(
+        args.pop("qo_indptr"), args.pop("kv_indptr"), args.pop("kv_indices"), args.pop("last_page_len"), **args
+    )
 
 
 def to_csr(page_indices, last_page_lens, start_positions, seq_lens, page_size):
@@ -68,8 +70,7 @@ def assert_unchanged(plan, before):
 
 
 def filled_plan(**kwargs):
-    plan = pw.PrefillPagedPlan.preallocated(max_total_tokens=16, max_total_pages=8, max_batch=4, max_tiles=8,
-                                            **kwargs)
+    plan = pw.PrefillPagedPlan.preallocated(max_total_tokens=16, max_total_pages=8, max_batch=4, max_tiles=8, **kwargs)
     update_csr(plan)
     return plan
 
@@ -94,8 +95,9 @@ def test_from_csr_equals_batch(requests, tile):
     heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=16, page_size=page_size, cta_tile_q=tile, device="cpu")
     batch = pw.PrefillPagedPlan.batch(*lists, **heads)
     csr = to_csr(*lists, page_size)
-    plan = pw.PrefillPagedPlan.from_csr(csr["qo_indptr"], csr["kv_indptr"], csr["kv_indices"],
-                                        csr["last_page_len"], **heads)
+    plan = pw.PrefillPagedPlan.from_csr(
+        csr["qo_indptr"], csr["kv_indptr"], csr["kv_indices"], csr["last_page_len"], **heads
+    )
     assert plan == batch and plan.to_dict() == batch.to_dict()
     assert (plan.cta_tile_q, plan.tile_reason) == (batch.cta_tile_q, batch.tile_reason)
     assert plan.page_indices.tolist() == csr["kv_indices"] and plan.page_indptr.tolist() == csr["kv_indptr"]
@@ -129,13 +131,18 @@ def make_inputs(kind):
     if kind == "torch.int16":
         return [torch.from_numpy(a).to(torch.int16) for a in arrays]
     if kind == "mixed":
-        return [torch.tensor(GOOD["qo_indptr"], dtype=torch.int32), np.array(GOOD["kv_indptr"], dtype=np.int64),
-                list(GOOD["kv_indices"]), torch.tensor(GOOD["last_page_len"])]
+        return [
+            torch.tensor(GOOD["qo_indptr"], dtype=torch.int32),
+            np.array(GOOD["kv_indptr"], dtype=np.int64),
+            list(GOOD["kv_indices"]),
+            torch.tensor(GOOD["last_page_len"]),
+        ]
     raise AssertionError(kind)
 
 
-@pytest.mark.parametrize("kind", ["list", "tuple", "int32", "int64", "uint8", "int16", "torch.int32",
-                                  "torch.int64", "torch.int16", "mixed"])
+@pytest.mark.parametrize(
+    "kind", ["list", "tuple", "int32", "int64", "uint8", "int16", "torch.int32", "torch.int64", "torch.int16", "mixed"]
+)
 def test_every_integer_input_kind_is_accepted_and_equal(kind):
     reference = from_csr()
     inputs = make_inputs(kind)
@@ -151,8 +158,9 @@ def test_every_integer_input_kind_is_accepted_and_equal(kind):
     assert plan.to_dict() == reference.to_dict()
     assert torch.equal(plan.device_buffer("cpu"), reference.device_buffer("cpu"))
     # update_csr takes the same kinds
-    target = pw.PrefillPagedPlan.preallocated(max_total_tokens=16, max_total_pages=8, max_batch=4, max_tiles=8,
-                                              cta_tile_q=16)
+    target = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=16, max_total_pages=8, max_batch=4, max_tiles=8, cta_tile_q=16
+    )
     target.update_csr(*make_inputs(kind), **HEADS)
     assert target.to_dict()["derived"] == reference.to_dict()["derived"]
 
@@ -171,8 +179,10 @@ def test_kv_indices_longer_than_used_prefix():
 
 BAD_CSR = [
     (dict(qo_indptr=[1, 4, 7]), "qo_indptr[0] = 1 must be 0"),
-    (dict(qo_indptr=[0, 5, 4]), "qo_indptr decreases at request 1: qo_indptr[1] = 5 > qo_indptr[2] = 4 "
-                                "(negative seq_len)"),
+    (
+        dict(qo_indptr=[0, 5, 4]),
+        "qo_indptr decreases at request 1: qo_indptr[1] = 5 > qo_indptr[2] = 4 (negative seq_len)",
+    ),
     (dict(qo_indptr=[0, 4]), "qo_indptr has 2 entries; last_page_len has 2, so it needs 3"),
     (dict(qo_indptr=[0, 4, 7, 7]), "qo_indptr has 4 entries; last_page_len has 2, so it needs 3"),
     (dict(qo_indptr=[]), "qo_indptr has 0 entries; last_page_len has 2, so it needs 3"),
@@ -180,21 +190,29 @@ BAD_CSR = [
     (dict(qo_indptr=[0, 4, 2**64]), "qo_indptr holds integers past int64"),
     (dict(qo_indptr=[0, 4, 9]), "request 1 has seq_len 5 new rows but only kv_len 3 keys"),
     (dict(kv_indptr=[1, 2, 3]), "kv_indptr[0] = 1 must be 0"),
-    (dict(kv_indptr=[0, 3, 2]), "kv_indptr decreases at request 1: kv_indptr[1] = 3 > kv_indptr[2] = 2 "
-                                "(negative page count)"),
+    (
+        dict(kv_indptr=[0, 3, 2]),
+        "kv_indptr decreases at request 1: kv_indptr[1] = 3 > kv_indptr[2] = 2 (negative page count)",
+    ),
     (dict(kv_indptr=[0, 2]), "kv_indptr has 2 entries; last_page_len has 2, so it needs 3"),
     (dict(kv_indptr=[0, 2, 3, 3]), "kv_indptr has 4 entries; last_page_len has 2, so it needs 3"),
-    (dict(kv_indptr=[0, 2, 2]), "request 1 has no pages (kv_indptr[1] = kv_indptr[2] = 2); every request needs "
-                                "at least one page"),
+    (
+        dict(kv_indptr=[0, 2, 2]),
+        "request 1 has no pages (kv_indptr[1] = kv_indptr[2] = 2); every request needs at least one page",
+    ),
     (dict(kv_indptr=[0, 0, 3]), "request 0 has no pages (kv_indptr[0] = kv_indptr[1] = 0)"),
     (dict(kv_indptr=[0, 2, 4]), "kv_indptr[-1] = 4 but kv_indices has only 3 entries"),
     (dict(kv_indices=[3, 1]), "kv_indptr[-1] = 3 but kv_indices has only 2 entries"),
     (dict(kv_indices=[3, -1, 0]), "page id kv_indices[1] = -1 is below its minimum 0"),
     (dict(kv_indices=[3, 1, 2**31]), "page id kv_indices[2] = 2147483648 does not fit in int32 (bound 2147483647)"),
-    (dict(kv_indices=[3, 3, 0]), "page id 3 appears more than once in request 0's pages "
-                                 "(kv_indices[0] and kv_indices[1])"),
-    (dict(kv_indices=[0, 1, 0]), "request 1 writes new rows into page 0 slot 0, which request 0 reads as cached "
-                                 "prefix (slots 0..1)"),
+    (
+        dict(kv_indices=[3, 3, 0]),
+        "page id 3 appears more than once in request 0's pages (kv_indices[0] and kv_indices[1])",
+    ),
+    (
+        dict(kv_indices=[0, 1, 0]),
+        "request 1 writes new rows into page 0 slot 0, which request 0 reads as cached prefix (slots 0..1)",
+    ),
     (dict(kv_indices=[3, 0, 0]), "requests 0 and 1 both write page 0 slot 0"),
     (dict(last_page_len=[0, 3]), "last_page_len[0] = 0 is outside 1..4 (page_size 4)"),
     (dict(last_page_len=[2, 5]), "last_page_len[1] = 5 is outside 1..4 (page_size 4)"),
@@ -202,11 +220,15 @@ BAD_CSR = [
     (dict(last_page_len=[2]), "qo_indptr has 3 entries; last_page_len has 1, so it needs 2"),
     (dict(last_page_len=[]), "a plan needs at least one request; last_page_len is empty"),
     (dict(qo_indptr=torch.tensor([0.0, 4.0, 7.0])), "qo_indptr must hold integers, got dtype torch.float32"),
-    (dict(kv_indptr=torch.tensor([0, 2, 3], dtype=torch.float64)), "kv_indptr must hold integers, got dtype "
-                                                                  "torch.float64"),
+    (
+        dict(kv_indptr=torch.tensor([0, 2, 3], dtype=torch.float64)),
+        "kv_indptr must hold integers, got dtype torch.float64",
+    ),
     (dict(last_page_len=torch.tensor([True, True])), "last_page_len must hold integers, got dtype torch.bool"),
-    (dict(kv_indices=torch.tensor([3, 1, 0], dtype=torch.complex64)), "kv_indices must hold integers, got dtype "
-                                                                      "torch.complex64"),
+    (
+        dict(kv_indices=torch.tensor([3, 1, 0], dtype=torch.complex64)),
+        "kv_indices must hold integers, got dtype torch.complex64",
+    ),
     (dict(kv_indices=np.array([3.0, 1.0, 0.0])), "kv_indices must hold integers, got dtype float64"),
     (dict(kv_indptr=np.array([False, True, True])), "kv_indptr must hold integers, got dtype bool"),
     (dict(last_page_len=[True, True]), "last_page_len[0] must be an integer, got True (bool)"),
@@ -256,28 +278,33 @@ def test_bad_csr_update_changes_nothing(overrides, fragment):
 
 def test_kv_len_past_int32():
     with pytest.raises(pw.PagedWindowError) as err:
-        pw.PrefillPagedPlan.from_csr([0, 1], [0, 3], [0, 1, 2], [1], num_qo_heads=2, num_kv_heads=1, head_dim=8,
-                                     page_size=2**30)
+        pw.PrefillPagedPlan.from_csr(
+            [0, 1], [0, 3], [0, 1, 2], [1], num_qo_heads=2, num_kv_heads=1, head_dim=8, page_size=2**30
+        )
     assert "kv_len of request 0 = 2147483649 does not fit in int32 (bound 2147483647)" in str(err.value)
     # the largest legal kv_len is fine
-    plan = pw.PrefillPagedPlan.from_csr([0, 1], [0, 2], [0, 1], [2**30 - 1], num_qo_heads=2, num_kv_heads=1,
-                                        head_dim=8, page_size=2**30)
+    plan = pw.PrefillPagedPlan.from_csr(
+        [0, 1], [0, 2], [0, 1], [2**30 - 1], num_qo_heads=2, num_kv_heads=1, head_dim=8, page_size=2**30
+    )
     assert plan.kv_lens == (INT32_MAX,) and plan.start_positions == (INT32_MAX - 1,)
 
 
 def test_packed_rows_past_int32():
     n = 1024
     with pytest.raises(pw.PagedWindowError) as err:
-        pw.PrefillPagedPlan.from_csr([0, 2**30], [0, n], np.arange(n), [2**20], num_qo_heads=2, num_kv_heads=1,
-                                     head_dim=8, page_size=2**20)
+        pw.PrefillPagedPlan.from_csr(
+            [0, 2**30], [0, n], np.arange(n), [2**20], num_qo_heads=2, num_kv_heads=1, head_dim=8, page_size=2**20
+        )
     assert "packed rows (total_tokens * group) = 2147483648 does not fit in int32" in str(err.value)
 
 
 # -- update_csr ----------------------------------------------------------------------------------------------
 
+
 def test_update_csr_equals_from_csr_and_commits():
-    plan = pw.PrefillPagedPlan.preallocated(max_total_tokens=16, max_total_pages=8, max_batch=4, max_tiles=8,
-                                            cta_tile_q=16)
+    plan = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=16, max_total_pages=8, max_batch=4, max_tiles=8, cta_tile_q=16
+    )
     assert plan.version == 0 and not plan.filled
     assert update_csr(plan) is plan
     assert plan.version == 1 and plan.to_dict()["derived"] == from_csr().to_dict()["derived"]
@@ -290,16 +317,39 @@ def test_update_csr_equals_from_csr_and_commits():
     assert arrays.qo_indptr[:4].tolist() == [0, 3, 4, 4] and not arrays.qo_indptr[4:].any()
 
 
-@pytest.mark.parametrize("csr, fragment", [
-    (dict(qo_indptr=[0, 8, 17], kv_indptr=[0, 3, 8], kv_indices=[0, 1, 2, 3, 4, 5, 6, 7], last_page_len=[4, 4]),
-     "update: total_tokens = 17 exceeds the plan's capacity 16"),
-    (dict(qo_indptr=[0, 1, 2], kv_indptr=[0, 3, 9], kv_indices=list(range(9)), last_page_len=[4, 4]),
-     "update: total_pages = 9 exceeds the plan's capacity 8"),
-    (dict(qo_indptr=[0, 1, 2, 3, 4, 5], kv_indptr=[0, 1, 2, 3, 4, 5], kv_indices=[0, 1, 2, 3, 4],
-          last_page_len=[1, 1, 1, 1, 1]), "update: batch_size = 5 exceeds the plan's capacity 4"),
-    (dict(qo_indptr=[0, 16], kv_indptr=[0, 4], kv_indices=[0, 1, 2, 3], last_page_len=[4], num_qo_heads=16,
-          num_kv_heads=1), "update: num_tiles = 16 exceeds the plan's capacity 8"),
-])
+@pytest.mark.parametrize(
+    "csr, fragment",
+    [
+        (
+            dict(qo_indptr=[0, 8, 17], kv_indptr=[0, 3, 8], kv_indices=[0, 1, 2, 3, 4, 5, 6, 7], last_page_len=[4, 4]),
+            "update: total_tokens = 17 exceeds the plan's capacity 16",
+        ),
+        (
+            dict(qo_indptr=[0, 1, 2], kv_indptr=[0, 3, 9], kv_indices=list(range(9)), last_page_len=[4, 4]),
+            "update: total_pages = 9 exceeds the plan's capacity 8",
+        ),
+        (
+            dict(
+                qo_indptr=[0, 1, 2, 3, 4, 5],
+                kv_indptr=[0, 1, 2, 3, 4, 5],
+                kv_indices=[0, 1, 2, 3, 4],
+                last_page_len=[1, 1, 1, 1, 1],
+            ),
+            "update: batch_size = 5 exceeds the plan's capacity 4",
+        ),
+        (
+            dict(
+                qo_indptr=[0, 16],
+                kv_indptr=[0, 4],
+                kv_indices=[0, 1, 2, 3],
+                last_page_len=[4],
+                num_qo_heads=16,
+                num_kv_heads=1,
+            ),
+            "update: num_tiles = 16 exceeds the plan's capacity 8",
+        ),
+    ],
+)
 def test_update_csr_capacity_overflow_is_refused(csr, fragment):
     plan = filled_plan(cta_tile_q=16)
     before = snapshot(plan)
@@ -319,16 +369,19 @@ def test_update_csr_keeps_the_fixed_tile():
     for tile in (16, 128):
         with pytest.raises(pw.PagedWindowError) as err:
             update_csr(plan, cta_tile_q=tile)
-        assert (f"update: cta_tile_q = {tile} differs from the plan's fixed tile 64 (a captured launch uses that "
-                f"tile); build a new plan for another tile") in str(err.value)
+        assert (
+            f"update: cta_tile_q = {tile} differs from the plan's fixed tile 64 (a captured launch uses that "
+            f"tile); build a new plan for another tile"
+        ) in str(err.value)
         assert_unchanged(plan, before)
     with pytest.raises(pw.PagedWindowError, match="cta_tile_q = 32 is not a supported tile"):
         update_csr(plan, cta_tile_q=32)
     assert_unchanged(plan, before)
     # a policy-fixed tile is just as fixed: a batch that alone would get 128 still lays out with 64
     # (4224 tokens x group 2 = 66 tiles of 128 rows x 2 KV heads = 132 CTAs, one per SM)
-    policy = pw.PrefillPagedPlan.preallocated(max_total_tokens=4224, max_total_pages=1056, max_batch=128,
-                                              max_tiles=132, device="cpu")
+    policy = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=4224, max_total_pages=1056, max_batch=128, max_tiles=132, device="cpu"
+    )
     assert policy.cta_tile_q == 64 and policy.tile_reason == "policy sm_90 capacity: 33 tokens per request"
     long = dict(qo_indptr=[0, 4224], kv_indptr=[0, 1056], kv_indices=list(range(1056)), last_page_len=[4])
     alone = from_csr(**long, device="cpu")
@@ -340,6 +393,7 @@ def test_update_csr_keeps_the_fixed_tile():
 
 
 # -- random shared pages against a brute-force slot-ownership check --------------------------------------------
+
 
 @st.composite
 def csr_batches(draw):
@@ -376,8 +430,17 @@ def csr_batches(draw):
     tile = draw(st.sampled_from([None, *SUPPORTED_CTA_TILE_Q]))
     kind = draw(st.sampled_from(["list", "numpy", "torch32", "torch64"]))
     tail = draw(st.lists(st.integers(-5, 2**31 + 5), max_size=3))
-    return dict(pages=pages, lasts=lasts, starts=starts, seqs=seqs, page_size=page_size, group=group, tile=tile,
-                kind=kind, tail=tail)
+    return dict(
+        pages=pages,
+        lasts=lasts,
+        starts=starts,
+        seqs=seqs,
+        page_size=page_size,
+        group=group,
+        tile=tile,
+        kind=kind,
+        tail=tail,
+    )
 
 
 def slot_conflicts(pages, starts, seqs, page_size):
@@ -395,10 +458,12 @@ def slot_conflicts(pages, starts, seqs, page_size):
 
 def per_request_names(message, kv_indptr):
     """``message`` with every flat ``kv_indices[f]`` renamed ``page_indices[r][j]``, the name ``batch`` uses."""
+
     def rename(m):
         flat = int(m[1])
         r = max(i for i in range(len(kv_indptr) - 1) if kv_indptr[i] <= flat)
         return f"page_indices[{r}][{flat - kv_indptr[r]}]"
+
     return re.sub(r"kv_indices\[(\d+)\]", rename, message)
 
 
@@ -419,21 +484,30 @@ def test_random_shared_pages_accepted_iff_no_slot_conflict(b):
     csr = to_csr(pages, b["lasts"], starts, seqs, page_size)
     kind = b["kind"] if b["kind"] != "torch32" or all(x <= INT32_MAX for x in b["tail"]) else "torch64"
     indices = csr["kv_indices"] + b["tail"]
-    heads = dict(num_qo_heads=2 * group, num_kv_heads=2, head_dim=8, page_size=page_size, cta_tile_q=b["tile"],
-                 device="cpu")
+    heads = dict(
+        num_qo_heads=2 * group, num_kv_heads=2, head_dim=8, page_size=page_size, cta_tile_q=b["tile"], device="cpu"
+    )
     repeats, write_read, write_write, writers, readers = slot_conflicts(pages, starts, seqs, page_size)
 
     def build():
-        return pw.PrefillPagedPlan.from_csr(as_kind(csr["qo_indptr"], kind), as_kind(csr["kv_indptr"], kind),
-                                            as_kind(indices, kind), as_kind(csr["last_page_len"], kind), **heads)
+        return pw.PrefillPagedPlan.from_csr(
+            as_kind(csr["qo_indptr"], kind),
+            as_kind(csr["kv_indptr"], kind),
+            as_kind(indices, kind),
+            as_kind(csr["last_page_len"], kind),
+            **heads,
+        )
 
     if repeats or write_read or write_write:
         with pytest.raises(pw.PagedWindowError) as err:
             build()
         message = str(err.value)
         if repeats:
-            m = re.search(r"page id (\d+) appears more than once in request (\d+)'s pages "
-                          r"\(kv_indices\[(\d+)\] and kv_indices\[(\d+)\]\)", message)
+            m = re.search(
+                r"page id (\d+) appears more than once in request (\d+)'s pages "
+                r"\(kv_indices\[(\d+)\] and kv_indices\[(\d+)\]\)",
+                message,
+            )
             assert m, message
             page, r, first, second = map(int, m.groups())
             assert pages[r].count(page) > 1, message
@@ -441,8 +515,11 @@ def test_random_shared_pages_accepted_iff_no_slot_conflict(b):
             lo, hi = csr["kv_indptr"][r], csr["kv_indptr"][r + 1]
             assert lo <= first < second < hi and indices[first] == indices[second] == page, message
         elif write_read:
-            m = re.search(r"request (\d+) writes new rows into page (\d+) slot (\d+), which request (\d+) reads as "
-                          r"cached prefix", message)
+            m = re.search(
+                r"request (\d+) writes new rows into page (\d+) slot (\d+), which request (\d+) reads as "
+                r"cached prefix",
+                message,
+            )
             assert m, message
             key = (int(m[2]), int(m[3]))
             assert int(m[1]) in writers[key] and int(m[4]) in readers[key], (message, key)
@@ -478,6 +555,7 @@ def test_random_shared_pages_accepted_iff_no_slot_conflict(b):
 
 # -- from_dict is a trust boundary ---------------------------------------------------------------------------
 
+
 def good_dict():
     return json.loads(json.dumps(pw.PrefillPagedPlan.batch(**GOOD_REQUESTS, **HEADS).to_dict()))
 
@@ -503,13 +581,20 @@ BAD_DICTS = [
     (None, "from_dict: expected a dict, got NoneType"),
     ({**good_dict(), "bogus": 1}, "from_dict: unknown key(s) ['bogus']"),
     ({**good_dict(), 7: 1}, "from_dict: unknown key(s) ['7']"),
-    (changed(["capacity"], drop=True), "from_dict: 'capacity' must be a dict with keys ['max_total_tokens', "
-                                       "'max_total_pages', 'max_batch', 'max_tiles'], got NoneType"),
+    (
+        changed(["capacity"], drop=True),
+        "from_dict: 'capacity' must be a dict with keys ['max_total_tokens', "
+        "'max_total_pages', 'max_batch', 'max_tiles'], got NoneType",
+    ),
     (changed(["capacity"], [8, 4, 2, 2]), "'capacity' must be a dict with keys"),
-    (changed(["capacity", "max_tiles"], drop=True), "from_dict: 'capacity' has keys ['max_batch', "
-                                                    "'max_total_pages', 'max_total_tokens']; expected"),
-    (changed(["capacity", "spare"], 1), "'capacity' has keys ['max_batch', 'max_tiles', 'max_total_pages', "
-                                        "'max_total_tokens', 'spare']"),
+    (
+        changed(["capacity", "max_tiles"], drop=True),
+        "from_dict: 'capacity' has keys ['max_batch', 'max_total_pages', 'max_total_tokens']; expected",
+    ),
+    (
+        changed(["capacity", "spare"], 1),
+        "'capacity' has keys ['max_batch', 'max_tiles', 'max_total_pages', 'max_total_tokens', 'spare']",
+    ),
     (changed(["capacity", "max_total_tokens"], "8"), "capacity.max_total_tokens must be an integer, got '8' (str)"),
     (changed(["capacity", "max_batch"], 2.0), "capacity.max_batch must be an integer, got 2.0 (float)"),
     (changed(["capacity", "max_tiles"], None), "capacity.max_tiles must be an integer, got None (NoneType)"),
@@ -519,10 +604,14 @@ BAD_DICTS = [
     (changed(["capacity", "max_total_tokens"], 2**31), "capacity.max_total_tokens = 2147483648 does not fit in int32"),
     (changed(["capacity", "max_total_tokens"], 4), "update: total_tokens = 7 exceeds the plan's capacity 4"),
     (changed(["seq_lens"], drop=True), "a filled plan needs every request key; missing ['seq_lens']"),
-    ({k: v for k, v in good_dict().items() if k not in ("num_qo_heads", "head_dim")},
-     "missing ['num_qo_heads', 'head_dim']"),
-    ({"capacity": CAPACITY, "cta_tile_q": 16, "derived": good_dict()["derived"]},
-     "from_dict: 'derived' arrays given for a plan with no requests"),
+    (
+        {k: v for k, v in good_dict().items() if k not in ("num_qo_heads", "head_dim")},
+        "missing ['num_qo_heads', 'head_dim']",
+    ),
+    (
+        {"capacity": CAPACITY, "cta_tile_q": 16, "derived": good_dict()["derived"]},
+        "from_dict: 'derived' arrays given for a plan with no requests",
+    ),
     (changed(["cta_tile_q"], "16"), "cta_tile_q must be an integer, got '16' (str)"),
     (changed(["cta_tile_q"], 16.0), "cta_tile_q must be an integer, got 16.0 (float)"),
     (changed(["cta_tile_q"], 32), "cta_tile_q = 32 is not a supported tile"),
@@ -533,8 +622,10 @@ BAD_DICTS = [
     (changed(["page_size"], 4.0), "page_size must be an integer, got 4.0 (float)"),
     (changed(["page_size"], {"value": 4}), "page_size must be an integer, got {'value': 4} (dict)"),
     (changed(["page_indices"], "ab"), "page_indices must be a sequence of per-request page lists, got str"),
-    (changed(["page_indices"], {"0": [3, 1], "1": [0]}), "page_indices must be a sequence of per-request page "
-                                                         "lists, got dict"),
+    (
+        changed(["page_indices"], {"0": [3, 1], "1": [0]}),
+        "page_indices must be a sequence of per-request page lists, got dict",
+    ),
     (changed(["page_indices"], [[3, {"a": 1}], [0]]), "page_indices[0][1] must be an integer, got {'a': 1} (dict)"),
     (changed(["page_indices"], [[3, 1], [[0]]]), "page_indices[1][0] must be an integer, got [0] (list)"),
     (changed(["page_indices"], [[3, 1], [None]]), "page_indices[1][0] must be an integer, got None (NoneType)"),
@@ -547,8 +638,10 @@ BAD_DICTS = [
     (changed(["last_page_lens"], [2, 4]), "last_page_lens[1] = 4 disagrees with kv_len 3"),
     (changed(["start_positions"], [2, -1]), "start_positions[1] = -1 is below its minimum 0"),
     (changed(["start_positions"], ["2", "0"]), "start_positions[0] must be an integer"),
-    (changed(["derived", "request_indices"], [0, 0]), "from_dict: the recorded 'derived' arrays disagree with the "
-                                                      "rebuilt plan"),
+    (
+        changed(["derived", "request_indices"], [0, 0]),
+        "from_dict: the recorded 'derived' arrays disagree with the rebuilt plan",
+    ),
     (changed(["derived"], "junk"), "from_dict: the recorded 'derived' arrays disagree with the rebuilt plan"),
     (changed(["derived", "max_page_index"], 9), "the recorded 'derived' arrays disagree"),
 ]
@@ -570,13 +663,16 @@ def test_bad_dict_table_is_distinct_and_large():
     assert all(repr(d) != repr(good) for d, _ in BAD_DICTS)
 
 
-@pytest.mark.parametrize("capacity, fragment", [
-    ({k: 2**31 - 1 for k in CAPACITY}, f"past the limit {PLAN_BUFFER_MAX_ENTRIES} (1 GiB)"),
-    ({**CAPACITY, "max_total_pages": 2**31 - 1}, "int32 entries (8192 MiB), past the limit"),
-    ({**CAPACITY, "max_tiles": PLAN_BUFFER_MAX_ENTRIES}, "past the limit"),
-    ({k: 2**31 for k in CAPACITY}, "capacity.max_total_tokens = 2147483648 does not fit in int32"),
-    ({**CAPACITY, "max_batch": 2**62}, "capacity.max_batch = 4611686018427387904 does not fit in int32"),
-])
+@pytest.mark.parametrize(
+    "capacity, fragment",
+    [
+        ({k: 2**31 - 1 for k in CAPACITY}, f"past the limit {PLAN_BUFFER_MAX_ENTRIES} (1 GiB)"),
+        ({**CAPACITY, "max_total_pages": 2**31 - 1}, "int32 entries (8192 MiB), past the limit"),
+        ({**CAPACITY, "max_tiles": PLAN_BUFFER_MAX_ENTRIES}, "past the limit"),
+        ({k: 2**31 for k in CAPACITY}, "capacity.max_total_tokens = 2147483648 does not fit in int32"),
+        ({**CAPACITY, "max_batch": 2**62}, "capacity.max_batch = 4611686018427387904 does not fit in int32"),
+    ],
+)
 def test_from_dict_huge_capacity_fails_fast_without_allocating(capacity, fragment, monkeypatch):
     allocated = []
 
@@ -598,21 +694,22 @@ def test_from_dict_huge_capacity_fails_fast_without_allocating(capacity, fragmen
 def test_capacity_at_the_buffer_limit_is_accepted_and_one_past_refused():
     fixed = 3 + 5 + 4 + 5 + 2 * 8  # scalars, page_indptr, last_page_len, qo_indptr, two tile segments
     at_limit = dict(max_total_tokens=8, max_batch=4, max_tiles=8, max_total_pages=PLAN_BUFFER_MAX_ENTRIES - fixed)
-    cap = PlanCapacity.checked("", *(at_limit[k] for k in ("max_total_tokens", "max_total_pages",
-                                                                   "max_batch", "max_tiles")))
+    cap = PlanCapacity.checked(
+        "", *(at_limit[k] for k in ("max_total_tokens", "max_total_pages", "max_batch", "max_tiles"))
+    )
     assert cap.buffer_entries == PLAN_BUFFER_MAX_ENTRIES
     with pytest.raises(pw.PagedWindowError) as err:
         PlanCapacity.checked("", 8, PLAN_BUFFER_MAX_ENTRIES - fixed + 1, 4, 8)
     assert f"needs a buffer of {PLAN_BUFFER_MAX_ENTRIES + 1} int32 entries" in str(err.value)
     with pytest.raises(pw.PagedWindowError, match="past the limit"):
-        pw.PrefillPagedPlan.preallocated(max_total_tokens=8, max_total_pages=PLAN_BUFFER_MAX_ENTRIES - fixed + 1,
-                                         max_batch=4, max_tiles=8)
+        pw.PrefillPagedPlan.preallocated(
+            max_total_tokens=8, max_total_pages=PLAN_BUFFER_MAX_ENTRIES - fixed + 1, max_batch=4, max_tiles=8
+        )
 
 
 # -- returned arrays are copies ------------------------------------------------------------------------------
 
-ARRAY_PROPERTIES = ("page_indices", "page_indptr", "last_page_len", "qo_indptr", "request_indices",
-                    "qo_tile_indices")
+ARRAY_PROPERTIES = ("page_indices", "page_indptr", "last_page_len", "qo_indptr", "request_indices", "qo_tile_indices")
 
 
 @pytest.mark.parametrize("name", ARRAY_PROPERTIES)
@@ -639,15 +736,19 @@ def test_mutating_a_returned_array_leaves_the_plan_unchanged(name, exact):
 
 # -- host cost -----------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("shared_prefix", [0, 128])
 def test_from_csr_host_time_64_requests_256_pages(shared_prefix):
     batch, pages, page_size = 64, 256, 16
     gen = np.random.default_rng(1)
     prefix = np.arange(shared_prefix)  # read-only pages every request starts with
     own = gen.permutation(batch * (pages - shared_prefix)) + shared_prefix
-    kv_indices = np.concatenate([np.concatenate([prefix, own[i * (pages - shared_prefix):
-                                                             (i + 1) * (pages - shared_prefix)]])
-                                 for i in range(batch)]).astype(np.int32)
+    kv_indices = np.concatenate(
+        [
+            np.concatenate([prefix, own[i * (pages - shared_prefix) : (i + 1) * (pages - shared_prefix)]])
+            for i in range(batch)
+        ]
+    ).astype(np.int32)
     kv_indptr = np.arange(batch + 1, dtype=np.int32) * pages
     last = gen.integers(1, page_size + 1, batch).astype(np.int32)
     seq = gen.integers(1, (pages - shared_prefix - 1) * page_size, batch)  # new rows stay past the shared prefix
@@ -668,10 +769,12 @@ def test_from_csr_host_time_64_requests_256_pages(shared_prefix):
 
 # -- inputs that once slipped through: a bool or float among ints, non-sequences, names in messages ---------
 
+
 def test_a_bool_among_ints_is_refused():
-    for make in (lambda: from_csr(last_page_len=[True, 3]),
-                 lambda: pw.PrefillPagedPlan.batch(GOOD_REQUESTS["page_indices"], [2, 3], [2, 0], [4, True],
-                                                   **HEADS)):
+    for make in (
+        lambda: from_csr(last_page_len=[True, 3]),
+        lambda: pw.PrefillPagedPlan.batch(GOOD_REQUESTS["page_indices"], [2, 3], [2, 0], [4, True], **HEADS),
+    ):
         try:
             plan = make()
         except pw.PagedWindowError as err:
@@ -686,13 +789,16 @@ def test_a_float_among_ints_is_named_by_its_own_index():
     assert "qo_indptr[1] must be an integer" in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("last_page_lens", 5, "last_page_lens must be a sequence of integers, got int"),
-    ("start_positions", None, "start_positions must be a sequence of integers, got NoneType"),
-    ("last_page_lens", torch.tensor(2), "last_page_lens must be one-dimensional, got shape ()"),
-    ("start_positions", torch.tensor([[2, 0]]), "start_positions must be one-dimensional, got shape (1, 2)"),
-    ("seq_lens", 7, "seq_lens must be a sequence of integers, got int"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("last_page_lens", 5, "last_page_lens must be a sequence of integers, got int"),
+        ("start_positions", None, "start_positions must be a sequence of integers, got NoneType"),
+        ("last_page_lens", torch.tensor(2), "last_page_lens must be one-dimensional, got shape ()"),
+        ("start_positions", torch.tensor([[2, 0]]), "start_positions must be one-dimensional, got shape (1, 2)"),
+        ("seq_lens", 7, "seq_lens must be a sequence of integers, got int"),
+    ],
+)
 def test_a_non_sequence_per_request_field_names_the_key(field, value, message):
     with pytest.raises(pw.PagedWindowError) as err:
         pw.PrefillPagedPlan.batch(**{**GOOD_REQUESTS, field: value}, **HEADS)
@@ -705,10 +811,13 @@ def test_a_non_sequence_per_request_field_names_the_key(field, value, message):
     assert_unchanged(plan, before)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("last_page_lens", 5, "from_dict: last_page_lens must be a sequence of integers, got int"),
-    ("start_positions", None, "from_dict: start_positions must be a sequence of integers, got NoneType"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("last_page_lens", 5, "from_dict: last_page_lens must be a sequence of integers, got int"),
+        ("start_positions", None, "from_dict: start_positions must be a sequence of integers, got NoneType"),
+    ],
+)
 def test_from_dict_names_a_non_sequence_request_field(field, value, message):
     with pytest.raises(pw.PagedWindowError) as err:
         pw.PrefillPagedPlan.from_dict(changed([field], value))

@@ -16,10 +16,29 @@ from pagedwindow.errors import INT32_MAX
 
 from . import host_pass
 
-FIELDS = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "cta_tile_q", "max_page_index",
-          "max_last_page_len", "batch_size", "total_tokens", "total_pages", "num_tiles")
-ARRAYS = ("packed", "page_indices", "page_indptr", "last_page_len", "qo_indptr", "request_indices",
-          "qo_tile_indices", "start_positions")
+FIELDS = (
+    "num_qo_heads",
+    "num_kv_heads",
+    "head_dim",
+    "page_size",
+    "cta_tile_q",
+    "max_page_index",
+    "max_last_page_len",
+    "batch_size",
+    "total_tokens",
+    "total_pages",
+    "num_tiles",
+)
+ARRAYS = (
+    "packed",
+    "page_indices",
+    "page_indptr",
+    "last_page_len",
+    "qo_indptr",
+    "request_indices",
+    "qo_tile_indices",
+    "start_positions",
+)
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +104,11 @@ def batches(draw):
         name = draw(st.sampled_from(sorted(arrays)))
         a = arrays[name]
         i = draw(st.integers(0, len(a) - 1))
-        a[i] = draw(st.sampled_from([-1, 0, 1, a[i] + 1, a[i] - 1, page_size + 1, INT32_MAX, INT32_MAX + 1,
-                                     int(ids[0]) if len(ids) else 0]))
+        a[i] = draw(
+            st.sampled_from(
+                [-1, 0, 1, a[i] + 1, a[i] - 1, page_size + 1, INT32_MAX, INT32_MAX + 1, int(ids[0]) if len(ids) else 0]
+            )
+        )
     if dtype is np.int32 and all(np.all((a >= -(2**31)) & (a <= INT32_MAX)) for a in arrays.values()):
         arrays = {k: a.astype(np.int32) for k, a in arrays.items()}
     group = draw(st.sampled_from([1, 2, 8]))
@@ -112,14 +134,21 @@ def test_the_compiled_pass_accepts_and_packs_exactly_what_the_numpy_pass_does(li
 @pytest.mark.parametrize("shape", ["decode", "prefill", "ragged", "chunk", "empty requests", "all empty"])
 def test_every_shape_class_is_packed_by_the_compiled_pass(lib, shape):
     page_size, rng = 16, np.random.default_rng(0)
-    seqs, kv_lens = {"decode": ([1] * 64, [4096] * 64), "prefill": ([2048] * 4, [2048] * 4),
-                     "ragged": ([700, 1, 33, 0, 129], [700, 5000, 40, 3, 129]),
-                     "chunk": ([512], [30000]), "empty requests": ([0, 5, 0], [17, 5, 1]),
-                     "all empty": ([0, 0], [16, 3])}[shape]
+    seqs, kv_lens = {
+        "decode": ([1] * 64, [4096] * 64),
+        "prefill": ([2048] * 4, [2048] * 4),
+        "ragged": ([700, 1, 33, 0, 129], [700, 5000, 40, 3, 129]),
+        "chunk": ([512], [30000]),
+        "empty requests": ([0, 5, 0], [17, 5, 1]),
+        "all empty": ([0, 0], [16, 3]),
+    }[shape]
     counts = [-(-k // page_size) for k in kv_lens]
-    csr = (np.concatenate(([0], np.cumsum(seqs))), np.concatenate(([0], np.cumsum(counts))),
-           rng.permutation(sum(counts) + 10)[: sum(counts)], np.array([k - (c - 1) * page_size
-                                                                      for k, c in zip(kv_lens, counts)]))
+    csr = (
+        np.concatenate(([0], np.cumsum(seqs))),
+        np.concatenate(([0], np.cumsum(counts))),
+        rng.permutation(sum(counts) + 10)[: sum(counts)],
+        np.array([k - (c - 1) * page_size for k, c in zip(kv_lens, counts)]),
+    )
     for tile in (None, 16, 64, 128):
         numpy_result, compiled_result, status = both_passes(lib, csr, (16, 8, 256, page_size), tile)
         assert status == native.PACK_OK
@@ -130,8 +159,25 @@ def test_a_block_too_small_is_refused_not_overrun(lib):
     qo, kv, ids, last = (np.array(a, dtype=np.int64) for a in ([0, 4, 7], [0, 2, 3], [3, 1, 0], [2, 3]))
     block = np.full(16, -7, dtype=np.int32)  # the plan needs 3 + 3 + 2 + 3 + 2 + 2 + 3 = 18 entries
     start, scalars = np.zeros(2, dtype=np.int32), np.zeros(5, dtype=np.int32)
-    status = lib.pw_plan_pack(qo.ctypes.data, 1, kv.ctypes.data, 1, ids.ctypes.data, 1, 3, last.ctypes.data, 1,
-                              2, 4, 2, 16, block.ctypes.data, 16, start.ctypes.data, scalars.ctypes.data)
+    status = lib.pw_plan_pack(
+        qo.ctypes.data,
+        1,
+        kv.ctypes.data,
+        1,
+        ids.ctypes.data,
+        1,
+        3,
+        last.ctypes.data,
+        1,
+        2,
+        4,
+        2,
+        16,
+        block.ctypes.data,
+        16,
+        start.ctypes.data,
+        scalars.ctypes.data,
+    )
     assert status == native.PACK_TOO_SMALL and (block == -7).all()
 
 

@@ -33,38 +33,54 @@ def fp32(scale: float) -> float:
 def test_reference_matches_dense_float64(config, window_left):
     page_size, seqs, starts, (hq, hkv) = config
     gen = torch.Generator().manual_seed(zlib.crc32(f"ps{page_size}-seq{seqs}-w{window_left}".encode()))
-    case = random_batch(gen, seq_lens=seqs, start_positions=starts, page_size=page_size, num_qo_heads=hq,
-                        num_kv_heads=hkv, head_dim=16)
+    case = random_batch(
+        gen, seq_lens=seqs, start_positions=starts, page_size=page_size, num_qo_heads=hq, num_kv_heads=hkv, head_dim=16
+    )
     pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan)
     out = torch.full((case.plan.total_tokens + 2, hq, 16), float("nan"), dtype=torch.float64)
     lse = torch.full((case.plan.total_tokens + 2, hq), float("nan"), dtype=torch.float32)
-    got = pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.37,
-                                        window_left=window_left, out=out, lse=lse, backend="reference")
+    got = pw.batch_prefill_paged_window(
+        case.q,
+        case.pool,
+        case.layout,
+        case.layer,
+        case.plan,
+        sm_scale=0.37,
+        window_left=window_left,
+        out=out,
+        lse=lse,
+        backend="reference",
+    )
     want = dense_attention(case, sm_scale=fp32(0.37), window_left=window_left)
     assert got.shape == (case.plan.total_tokens, hq, 16)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
-    assert torch.isnan(out[case.plan.total_tokens:]).all(), "rows past total_tokens were written"
-    assert not torch.isnan(lse[: case.plan.total_tokens]).any() and torch.isnan(lse[case.plan.total_tokens:]).all()
+    assert torch.isnan(out[case.plan.total_tokens :]).all(), "rows past total_tokens were written"
+    assert not torch.isnan(lse[: case.plan.total_tokens]).any() and torch.isnan(lse[case.plan.total_tokens :]).all()
 
 
 def test_window_at_least_kv_len_equals_full_causal():
     gen = torch.Generator().manual_seed(3)
-    case = random_batch(gen, seq_lens=[9, 4], start_positions=[6, 0], page_size=5, num_qo_heads=4, num_kv_heads=2,
-                        head_dim=16)
+    case = random_batch(
+        gen, seq_lens=[9, 4], start_positions=[6, 0], page_size=5, num_qo_heads=4, num_kv_heads=2, head_dim=16
+    )
     pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan)
-    run = [pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0,
-                                         window_left=w, backend="reference") for w in (-1, 14, 10**6)]
+    run = [
+        pw.batch_prefill_paged_window(
+            case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0, window_left=w, backend="reference"
+        )
+        for w in (-1, 14, 10**6)
+    ]
     assert torch.equal(run[0], run[1]) and torch.equal(run[0], run[2])
 
 
 def test_lse_is_the_logsumexp_of_scaled_logits():
     gen = torch.Generator().manual_seed(4)
-    case = random_batch(gen, seq_lens=[3], start_positions=[0], page_size=2, num_qo_heads=2, num_kv_heads=1,
-                        head_dim=8)
+    case = random_batch(gen, seq_lens=[3], start_positions=[0], page_size=2, num_qo_heads=2, num_kv_heads=1, head_dim=8)
     pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan)
     lse = torch.empty(3, 2)
-    pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.5,
-                                  window_left=1, lse=lse, backend="reference")
+    pw.batch_prefill_paged_window(
+        case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.5, window_left=1, lse=lse, backend="reference"
+    )
     k = case.full_k[0][:, 0]  # [3, d]
     logits = 0.5 * case.q[2] @ k.T  # [2 heads, 3 keys]; query 2 sees keys 1 and 2
     torch.testing.assert_close(lse[2].double(), torch.logsumexp(logits[:, 1:], dim=-1), rtol=1e-6, atol=1e-6)
@@ -74,11 +90,20 @@ def test_lse_is_the_logsumexp_of_scaled_logits():
 def test_low_precision_within_the_plain_torch_error(dtype):
     """flash-attn's rule: |ours - fp64| <= 2 * |plain torch at dtype - fp64| + 1e-3 (the reference computes fp32)."""
     gen = torch.Generator().manual_seed(5)
-    case = random_batch(gen, seq_lens=[37, 11], start_positions=[0, 29], page_size=16, num_qo_heads=8,
-                        num_kv_heads=2, head_dim=64, dtype=dtype)
+    case = random_batch(
+        gen,
+        seq_lens=[37, 11],
+        start_positions=[0, 29],
+        page_size=16,
+        num_qo_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        dtype=dtype,
+    )
     pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan)
-    got = pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.125,
-                                        window_left=13, backend="reference")
+    got = pw.batch_prefill_paged_window(
+        case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.125, window_left=13, backend="reference"
+    )
     assert got.dtype == dtype
     exact = dense_attention(case, sm_scale=0.125, window_left=13)
     plain = dense_attention(case, sm_scale=0.125, window_left=13, dtype=dtype)  # softmax(q k^T) v all in `dtype`
@@ -89,8 +114,16 @@ def test_low_precision_within_the_plain_torch_error(dtype):
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 def test_append_writes_exactly_the_new_slots(page_size):
     gen = torch.Generator().manual_seed(page_size)
-    case = random_batch(gen, seq_lens=[5, 0, 19], start_positions=[3, 4, 14], page_size=page_size, num_qo_heads=4,
-                        num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    case = random_batch(
+        gen,
+        seq_lens=[5, 0, 19],
+        start_positions=[3, 4, 14],
+        page_size=page_size,
+        num_qo_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype=torch.float32,
+    )
     before = case.pool.clone()
     pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan)
     expected = before.clone()
@@ -101,9 +134,12 @@ def test_append_writes_exactly_the_new_slots(page_size):
             expected[page, case.layer, 1, slot] = case.full_v[i][pos]
     assert torch.equal(case.pool, expected)
     changed = (case.pool != before).any(dim=(4, 5)).nonzero().tolist()
-    new_slots = {(case.plan.pages[i][p // page_size], case.layer, kv, p % page_size)
-                 for i, (s, n) in enumerate(zip(case.plan.start_positions, case.plan.seq_lens))
-                 for p in range(s, s + n) for kv in (0, 1)}
+    new_slots = {
+        (case.plan.pages[i][p // page_size], case.layer, kv, p % page_size)
+        for i, (s, n) in enumerate(zip(case.plan.start_positions, case.plan.seq_lens))
+        for p in range(s, s + n)
+        for kv in (0, 1)
+    }
     assert {tuple(c) for c in changed} == new_slots
 
 
@@ -134,19 +170,33 @@ def test_chunked_prefill_equals_one_shot():
 
 
 @settings(max_examples=60, deadline=None)
-@given(page_size=st.sampled_from([1, 3, 16]), group=st.sampled_from([1, 2, 4, 8, 16]), hkv=st.sampled_from([1, 2]),
-       seqs=st.lists(st.integers(0, 24), min_size=1, max_size=4), data=st.data(),
-       window_left=st.sampled_from([-1, 0, 1, 7, 10**4]))
+@given(
+    page_size=st.sampled_from([1, 3, 16]),
+    group=st.sampled_from([1, 2, 4, 8, 16]),
+    hkv=st.sampled_from([1, 2]),
+    seqs=st.lists(st.integers(0, 24), min_size=1, max_size=4),
+    data=st.data(),
+    window_left=st.sampled_from([-1, 0, 1, 7, 10**4]),
+)
 def test_reference_random_ragged_batches(page_size, group, hkv, seqs, data, window_left):
     starts = [data.draw(st.integers(0 if s else 1, 30)) for s in seqs]
     seed = data.draw(st.integers(0, 2**31 - 1))
-    case = random_batch(torch.Generator().manual_seed(seed), seq_lens=seqs, start_positions=starts,
-                        page_size=page_size, num_qo_heads=hkv * group, num_kv_heads=hkv, head_dim=8)
+    case = random_batch(
+        torch.Generator().manual_seed(seed),
+        seq_lens=seqs,
+        start_positions=starts,
+        page_size=page_size,
+        num_qo_heads=hkv * group,
+        num_kv_heads=hkv,
+        head_dim=8,
+    )
     pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan)
-    got = pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.7,
-                                        window_left=window_left)
-    torch.testing.assert_close(got, dense_attention(case, sm_scale=fp32(0.7), window_left=window_left), rtol=0,
-                               atol=1e-12)
+    got = pw.batch_prefill_paged_window(
+        case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.7, window_left=window_left
+    )
+    torch.testing.assert_close(
+        got, dense_attention(case, sm_scale=fp32(0.7), window_left=window_left), rtol=0, atol=1e-12
+    )
 
 
 @pytest.mark.parametrize("window_left", [-1, 2, 9])
@@ -169,18 +219,21 @@ def test_shared_read_only_prefix_equals_private_copies(window_left):
     heads = dict(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=ps)
     shared = pw.PrefillPagedPlan.batch([[5, 2, 0, 7], [5, 2, 4]], [2, 3], [8, 8], seqs, **heads)
     pw.append_paged_kv(k, v, pool, layout, 0, shared)
-    got = pw.batch_prefill_paged_window(q, pool, layout, 0, shared, sm_scale=0.25, window_left=window_left,
-                                        backend="reference")
+    got = pw.batch_prefill_paged_window(
+        q, pool, layout, 0, shared, sm_scale=0.25, window_left=window_left, backend="reference"
+    )
     # the same two requests with private copies of the prefix, one at a time
     for r, (lo, hi) in enumerate([(0, 6), (6, 9)]):
         private = layout.allocate(4, torch.float64)
         private.normal_(generator=gen)
-        one = pw.PrefillPagedPlan.single(list(range(-(-(8 + seqs[r]) // ps))), (8 + seqs[r] - 1) % ps + 1, 0,
-                                         8 + seqs[r], **heads)
+        one = pw.PrefillPagedPlan.single(
+            list(range(-(-(8 + seqs[r]) // ps))), (8 + seqs[r] - 1) % ps + 1, 0, 8 + seqs[r], **heads
+        )
         pw.append_paged_kv(torch.cat([prefix_k, k[lo:hi]]), torch.cat([prefix_v, v[lo:hi]]), private, layout, 0, one)
         q_full = torch.cat([torch.randn(8, hq, d, generator=gen, dtype=torch.float64), q[lo:hi]])
-        want = pw.batch_prefill_paged_window(q_full, private, layout, 0, one, sm_scale=0.25, window_left=window_left,
-                                             backend="reference")[8:]
+        want = pw.batch_prefill_paged_window(
+            q_full, private, layout, 0, one, sm_scale=0.25, window_left=window_left, backend="reference"
+        )[8:]
         torch.testing.assert_close(got[lo:hi], want, rtol=0, atol=1e-12)
     assert not torch.equal(got[:3], got[6:9])
 

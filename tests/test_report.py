@@ -28,8 +28,12 @@ DECLARED = {"01_a": {"seed", "dtype", "x", "out_dir"}, "02_b": {"seed", "y", "ou
 
 
 def test_plan_runs_shares_keys_by_declaration_and_expands_variants():
-    data = {"seed": 3, "dtype": "float32", "01_a": {"x": 1, "variants": {"fp32": {}, "bf16": {"dtype": "bfloat16"}}},
-            "02_b": {"y": [1, 2]}}
+    data = {
+        "seed": 3,
+        "dtype": "float32",
+        "01_a": {"x": 1, "variants": {"fp32": {}, "bf16": {"dtype": "bfloat16"}}},
+        "02_b": {"y": [1, 2]},
+    }
     runs = report.plan_runs(data, DECLARED, ["01_a", "02_b"])
     assert [r.name for r in runs] == ["01_a-fp32", "01_a-bf16", "02_b"]
     assert runs[0].parameters == {"seed": 3, "dtype": "float32", "x": 1}
@@ -38,13 +42,16 @@ def test_plan_runs_shares_keys_by_declaration_and_expands_variants():
     assert [r.name for r in report.plan_runs(data, DECLARED, ["02_b"])] == ["02_b"]
 
 
-@pytest.mark.parametrize("data,match", [
-    ({"sed": 1}, "sed"),                                   # a shared key nobody declares
-    ({"01_a": {"y": 1}}, "01_a: parameter"),               # a key its notebook does not declare
-    ({"01_a": {"variants": {"v": {"z": 1}}}}, "'z'"),      # ... inside a variant
-    ({"01_a": {"variants": []}}, "variants"),
-    ({"01_a": [1]}, "mapping"),
-])
+@pytest.mark.parametrize(
+    "data,match",
+    [
+        ({"sed": 1}, "sed"),  # a shared key nobody declares
+        ({"01_a": {"y": 1}}, "01_a: parameter"),  # a key its notebook does not declare
+        ({"01_a": {"variants": {"v": {"z": 1}}}}, "'z'"),  # ... inside a variant
+        ({"01_a": {"variants": []}}, "variants"),
+        ({"01_a": [1]}, "mapping"),
+    ],
+)
 def test_plan_runs_refuses_unknown_keys(data, match):
     with pytest.raises(report.ReportUsageError, match=match):
         report.plan_runs(data, DECLARED, ["01_a", "02_b"])
@@ -78,8 +85,13 @@ def test_gemma4_12b_is_gemma_4_12b_shaped():
     for r in runs:
         if r.notebook.startswith(("01", "02", "03")):
             p = r.parameters
-            assert (p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], p["page_size"], p["dtype"]) == \
-                (16, 8, 256, 16, "bfloat16")
+            assert (p["num_qo_heads"], p["num_kv_heads"], p["head_dim"], p["page_size"], p["dtype"]) == (
+                16,
+                8,
+                256,
+                16,
+                "bfloat16",
+            )
             assert p["backend"] in ("cuda", "auto")
             assert p.get("sliding_window", (p.get("window_left", -2) + 1)) == 1024
 
@@ -133,26 +145,33 @@ def test_smoke_report_writes_index_and_html(tmp_path, capsys):
         header, first_cell = page.index("class='pw-header'"), page.index('<div class="jp-Cell')
         assert header < page.index("href='index.html'") < first_cell  # the link back and the verdict come first
         assert header < page.index(f"{run}: gate PASSED") < first_cell
-    top = explorer_page[:explorer_page.index('<div class="jp-Cell')]
+    top = explorer_page[: explorer_page.index('<div class="jp-Cell')]
     assert "max |ours − fp64| = " in top and "against the limit" in top  # the gate's numbers on top
     for path in [*out.glob("*.html"), *out.glob("*/*.ipynb"), *out.glob("**/metrics.json")]:
         text = path.read_text()
-        for machine in {str(out.resolve()), str(tmp_path.resolve()), str(NOTEBOOKS.parent.resolve()),
-                        str(Path.home())}:
+        for machine in {str(out.resolve()), str(tmp_path.resolve()), str(NOTEBOOKS.parent.resolve()), str(Path.home())}:
             assert machine not in text, f"{path.name} holds the absolute path {machine}"
 
 
 @pytest.mark.slow
 def test_failing_gate_and_raising_notebook_exit_nonzero(tmp_path, capsys):
     params = tmp_path / "failing.yaml"
-    params.write_text(yaml.safe_dump({
-        "backend": "reference", "device": "cpu",
-        "02_kernel_explorer": {"head_dim": 32, "variants": {
-            "gate_fails": {"err_factor": 0.0, "err_slack": 0.0},  # bf16 output is never exact: must fail
-            "raises": {"seq_lens": [0], "start_positions": [0]},  # kv_len 0: the plan refuses it
-            "passes": {},
-        }},
-    }))
+    params.write_text(
+        yaml.safe_dump(
+            {
+                "backend": "reference",
+                "device": "cpu",
+                "02_kernel_explorer": {
+                    "head_dim": 32,
+                    "variants": {
+                        "gate_fails": {"err_factor": 0.0, "err_slack": 0.0},  # bf16 output is never exact: must fail
+                        "raises": {"seq_lens": [0], "start_positions": [0]},  # kv_len 0: the plan refuses it
+                        "passes": {},
+                    },
+                },
+            }
+        )
+    )
     out = tmp_path / "rep"
     code = report.run_report(params=str(params), out=out, notebooks=["02"], progress=False)
     err = capsys.readouterr().err
@@ -167,30 +186,52 @@ def test_failing_gate_and_raising_notebook_exit_nonzero(tmp_path, capsys):
 
 # -- what a report exercised, commits, paths ---------------------------------------------------------------------------
 def _metrics(backend, *, gpu=None, device="cpu", kernels=(), paths=()):
-    env = {"device": device, "kernels": {"backend": backend, "prefill_kernels": list(kernels),
-                                         "kv_copy_paths": list(paths)}}
+    env = {
+        "device": device,
+        "kernels": {"backend": backend, "prefill_kernels": list(kernels), "kv_copy_paths": list(paths)},
+    }
     if gpu:
         env["gpu"] = gpu
     return {"passed": True, "backend": backend, "environment": env}
 
 
 def test_a_cpu_report_says_plainly_that_no_kernel_ran():
-    runs = [("01", report.run_exercised(_metrics("reference"))),
-            ("03", report.run_exercised({"passed": True, "backend": "reference",  # notebook 03's keys
-                                         "environment": {"device": "cpu"}})),
-            ("04", report.run_exercised({"passed": True, "backend": "none", "environment": {}}))]
+    runs = [
+        ("01", report.run_exercised(_metrics("reference"))),
+        (
+            "03",
+            report.run_exercised(
+                {
+                    "passed": True,
+                    "backend": "reference",  # notebook 03's keys
+                    "environment": {"device": "cpu"},
+                }
+            ),
+        ),
+        ("04", report.run_exercised({"passed": True, "backend": "none", "environment": {}})),
+    ]
     ex = report.report_exercised(runs, "abc1234")
     assert ex["cuda_kernel_exercised"] is False and ex["statement"].startswith(report.NO_KERNEL)
     assert ex["devices"] == ["CPU"] and ex["prefill_kernels"] == [] and ex["commit"] == "abc1234"
 
 
 def test_a_gpu_report_names_kernel_copy_path_and_device():
-    runs = [("01", report.run_exercised(_metrics("cuda", gpu="NVIDIA H200", device="cuda:0", kernels=["wgmma"],
-                                                 paths=["tma"]))),
-            ("02", report.run_exercised(_metrics("cuda+reference", gpu="NVIDIA H200", device="cuda:0",
-                                                 kernels=["wgmma"], paths=["cp.async"]))),
-            ("02-fp32", report.run_exercised(_metrics("reference", gpu="NVIDIA H200", device="cuda:0"))),
-            ("03", report.run_exercised({}))]  # a run that wrote no metrics
+    runs = [
+        (
+            "01",
+            report.run_exercised(
+                _metrics("cuda", gpu="NVIDIA H200", device="cuda:0", kernels=["wgmma"], paths=["tma"])
+            ),
+        ),
+        (
+            "02",
+            report.run_exercised(
+                _metrics("cuda+reference", gpu="NVIDIA H200", device="cuda:0", kernels=["wgmma"], paths=["cp.async"])
+            ),
+        ),
+        ("02-fp32", report.run_exercised(_metrics("reference", gpu="NVIDIA H200", device="cuda:0"))),
+        ("03", report.run_exercised({})),
+    ]  # a run that wrote no metrics
     ex = report.report_exercised(runs, None)
     assert ex["cuda_kernel_exercised"] is True and report.NO_KERNEL not in ex["statement"]
     assert ex["prefill_kernels"] == ["sm_90a wgmma"] and ex["kv_copy_paths"] == ["cp.async", "tma"]
@@ -198,18 +239,28 @@ def test_a_gpu_report_names_kernel_copy_path_and_device():
     assert "ran in 2 of 4 runs on NVIDIA H200" in ex["statement"]
     assert "The PyTorch reference ran in: 02, 02-fp32." in ex["statement"]
     assert "Recorded no backend (did not finish?): 03." in ex["statement"]
-    banner = report.banner_html(backend="cuda", device="NVIDIA H200", kernels=ex["prefill_kernels"],
-                                copy_paths=ex["kv_copy_paths"], commit="abc1234+dirty")
+    banner = report.banner_html(
+        backend="cuda",
+        device="NVIDIA H200",
+        kernels=ex["prefill_kernels"],
+        copy_paths=ex["kv_copy_paths"],
+        commit="abc1234+dirty",
+    )
     assert all(s in banner for s in ("CUDA kernel", "NVIDIA H200", "sm_90a wgmma", "cp.async, tma", "abc1234+dirty"))
 
 
 def test_git_commit(tmp_path, monkeypatch):
     monkeypatch.delenv(report.COMMIT_ENV, raising=False)
     repo = NOTEBOOKS.parent
-    sha = subprocess.run(["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         check=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                           capture_output=True, text=True, check=True).stdout.strip()
+    sha = subprocess.run(
+        ["git", "-C", str(repo), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     assert report.git_commit(repo) == sha + ("+dirty" if dirty else "")
     assert report.git_commit(tmp_path) is None  # not a checkout
     assert report.git_commit(repo / "notebooks") is None  # inside one, but not its top
@@ -227,12 +278,15 @@ def test_git_commit(tmp_path, monkeypatch):
 
 def test_scrub_paths_makes_machine_paths_relative():
     pairs = [("/tmp/r", ""), ("/work/main", ""), ("/root", "~/"), ("/work/main/.venv", "<python>/")]
-    text = ("Written: /tmp/r/01/metrics.json; results /work/main/benchmarks/x.json; cwd /tmp/r; "
-            "/work/main/.venv/lib/site.py; /root/.cache/k; /srv/root/keep; /tmp/rest/keep; /work/mainline; "
-            "File \x1b[0;32m/work/main/src/a.py\x1b[0m")  # a traceback's colours
+    text = (
+        "Written: /tmp/r/01/metrics.json; results /work/main/benchmarks/x.json; cwd /tmp/r; "
+        "/work/main/.venv/lib/site.py; /root/.cache/k; /srv/root/keep; /tmp/rest/keep; /work/mainline; "
+        "File \x1b[0;32m/work/main/src/a.py\x1b[0m"
+    )  # a traceback's colours
     assert report.scrub_paths(text, pairs) == (
         "Written: 01/metrics.json; results benchmarks/x.json; cwd .; <python>/lib/site.py; ~/.cache/k; "
-        "/srv/root/keep; /tmp/rest/keep; /work/mainline; File \x1b[0;32msrc/a.py\x1b[0m")
+        "/srv/root/keep; /tmp/rest/keep; /work/mainline; File \x1b[0;32msrc/a.py\x1b[0m"
+    )
 
 
 def test_machine_paths_cover_package_directories_outside_the_prefix(tmp_path, monkeypatch):
@@ -244,20 +298,34 @@ def test_machine_paths_cover_package_directories_outside_the_prefix(tmp_path, mo
 
 
 def test_gate_summary_prefers_the_runs_own_sentence():
-    assert report.gate_summary({"gate_summary": "all 3 layers within 1e-4", "max_abs_err": 1.0}) == \
-        "all 3 layers within 1e-4"
-    assert report.gate_summary({"passed": True, "max_abs_err": 0.5, "tolerance": 0.25, "steps": 4, "x": 1}) == \
-        "max_abs_err 0.5; tolerance 0.25; steps 4"
+    assert (
+        report.gate_summary({"gate_summary": "all 3 layers within 1e-4", "max_abs_err": 1.0})
+        == "all 3 layers within 1e-4"
+    )
+    assert (
+        report.gate_summary({"passed": True, "max_abs_err": 0.5, "tolerance": 0.25, "steps": 4, "x": 1})
+        == "max_abs_err 0.5; tolerance 0.25; steps 4"
+    )
 
 
-@pytest.mark.parametrize("status,metrics,label", [
-    ("passed", {"passed": True}, "PASSED"),
-    ("failed", {"passed": False, "verdict": "failed"}, "FAILED"),
-    ("failed", {"passed": False, "verdict": "inconclusive",
-                "failures": ["3 clear-margin steps, fewer than min_clear_steps 8"]}, "INCONCLUSIVE"),
-    ("error", {}, "ERROR"),
-    ("no-metrics", {}, "NO METRICS"),
-])
+@pytest.mark.parametrize(
+    "status,metrics,label",
+    [
+        ("passed", {"passed": True}, "PASSED"),
+        ("failed", {"passed": False, "verdict": "failed"}, "FAILED"),
+        (
+            "failed",
+            {
+                "passed": False,
+                "verdict": "inconclusive",
+                "failures": ["3 clear-margin steps, fewer than min_clear_steps 8"],
+            },
+            "INCONCLUSIVE",
+        ),
+        ("error", {}, "ERROR"),
+        ("no-metrics", {}, "NO METRICS"),
+    ],
+)
 def test_the_page_and_the_index_show_the_runs_verdict(tmp_path, status, metrics, label):
     result = report.RunResult(report.RunSpec("03", "03_greedy_decode_oracle", {}), status, 1.0, metrics)
     assert result.label == label

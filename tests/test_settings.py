@@ -13,11 +13,25 @@ SRC = REPO / "src" / "pagedwindow"
 
 def test_every_pagedwindow_variable_anywhere_in_the_tree_is_a_setting():
     known = {s.name for s in settings.SETTINGS}
-    paths = [p for pattern in ("src/**/*.py", "tests/**/*.py", "benchmarks/*.py", "benchmarks/*.sh",
-                               "notebooks/*.ipynb", "*.md", "*/*.md", "Makefile")
-             for p in REPO.glob(pattern)]
-    named = {(m, p.relative_to(REPO).as_posix()) for p in paths
-             for m in re.findall(r"\bPAGEDWINDOW_[A-Z0-9_]+\b", p.read_text(encoding="utf-8"))}
+    paths = [
+        p
+        for pattern in (
+            "src/**/*.py",
+            "tests/**/*.py",
+            "benchmarks/*.py",
+            "benchmarks/*.sh",
+            "notebooks/*.ipynb",
+            "*.md",
+            "*/*.md",
+            "Makefile",
+        )
+        for p in REPO.glob(pattern)
+    ]
+    named = {
+        (m, p.relative_to(REPO).as_posix())
+        for p in paths
+        for m in re.findall(r"\bPAGEDWINDOW_[A-Z0-9_]+\b", p.read_text(encoding="utf-8"))
+    }
     assert named, "the scan found no variable at all"
     assert sorted((m, path) for m, path in named if m not in known) == []
 
@@ -25,8 +39,9 @@ def test_every_pagedwindow_variable_anywhere_in_the_tree_is_a_setting():
 def test_only_the_settings_module_reads_the_environment():
     """One exception: the report sets variables for the notebooks it runs (by the settings' names) and restores
     them after, in ``_kernel_environment``."""
-    touching = {p.relative_to(SRC).as_posix(): p for p in SRC.rglob("*.py")
-                if re.search(r"os\.environ|getenv", p.read_text())}
+    touching = {
+        p.relative_to(SRC).as_posix(): p for p in SRC.rglob("*.py") if re.search(r"os\.environ|getenv", p.read_text())
+    }
     assert set(touching) == {"settings.py", "report.py"}, sorted(touching)
     tree = ast.parse(touching["report.py"].read_text())
     (setter,) = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "_kernel_environment"]
@@ -64,11 +79,25 @@ def test_settings_are_read_when_asked_for(monkeypatch, tmp_path):
 def test_empty_values(monkeypatch):
     """An empty value counts as unset where the code always treated it so (paths, nvcc, the commit), and as
     given where it did not (the prefill kernel: an error; MPLBACKEND: set)."""
-    for name in ("PAGEDWINDOW_NVCC", "PAGEDWINDOW_KERNELS_DIR", "PAGEDWINDOW_NOTEBOOKS", "PAGEDWINDOW_REPO",
-                 "PAGEDWINDOW_COMMIT", "CUDA_HOME", "CUDA_PATH", "PAGEDWINDOW_PREFILL_KERNEL", "MPLBACKEND"):
+    for name in (
+        "PAGEDWINDOW_NVCC",
+        "PAGEDWINDOW_KERNELS_DIR",
+        "PAGEDWINDOW_NOTEBOOKS",
+        "PAGEDWINDOW_REPO",
+        "PAGEDWINDOW_COMMIT",
+        "CUDA_HOME",
+        "CUDA_PATH",
+        "PAGEDWINDOW_PREFILL_KERNEL",
+        "MPLBACKEND",
+    ):
         monkeypatch.setenv(name, "")
-    assert (settings.nvcc(), settings.kernels_dir(), settings.notebooks_dir(), settings.repo_dir(),
-            settings.commit()) == (None,) * 5
+    assert (
+        settings.nvcc(),
+        settings.kernels_dir(),
+        settings.notebooks_dir(),
+        settings.repo_dir(),
+        settings.commit(),
+    ) == (None,) * 5
     assert settings.cuda_home() == Path("/usr/local/cuda")
     assert settings.prefill_kernel() == "" and settings.mpl_backend() == ""
     monkeypatch.setenv("CUDA_PATH", "/opt/cuda")

@@ -14,15 +14,22 @@ def test_random_pages_cover_each_request_once_from_a_shuffled_pool():
     ids = [x for p in table.pages for x in p]
     assert table.num_pages == 14 and len(set(ids)) == 12 and all(0 <= x < 14 for x in ids) and ids != sorted(ids)
     qo, kv, indices, last = table.csr([2, 16, 0, 1])
-    plan = pw.PrefillPagedPlan.from_csr(qo, kv, indices, last, num_qo_heads=2, num_kv_heads=1, head_dim=8,
-                                        page_size=4)
+    plan = pw.PrefillPagedPlan.from_csr(qo, kv, indices, last, num_qo_heads=2, num_kv_heads=1, head_dim=8, page_size=4)
     assert plan.kv_lens == (5, 16, 17, 1) and plan.seq_lens == (2, 16, 0, 1)
     assert [list(p) for p in plan.pages] == table.pages
 
 
 def test_random_batch_holds_each_prefix_in_its_slots_and_nan_elsewhere():
-    batch = testing.random_batch(torch.Generator().manual_seed(1), seq_lens=[3, 0], start_positions=[4, 6],
-                                 page_size=4, num_qo_heads=2, num_kv_heads=1, head_dim=8, unused_slots=float("nan"))
+    batch = testing.random_batch(
+        torch.Generator().manual_seed(1),
+        seq_lens=[3, 0],
+        start_positions=[4, 6],
+        page_size=4,
+        num_qo_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        unused_slots=float("nan"),
+    )
     for i, start in enumerate(batch.plan.start_positions):
         for pos in range(start):
             page, slot = batch.plan.pages[i][pos // 4], pos % 4

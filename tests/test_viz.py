@@ -20,11 +20,20 @@ from pagedwindow.viz import artifacts, bench_plots, figures, paths, plan_drawing
 
 
 def _plan(page_size=5, seq_lens=(37, 1, 20, 0), starts=(0, 24, 11, 9), hq=4, hkv=2, tile=None, seed=0):
-    table = testing.random_pages(torch.Generator().manual_seed(seed), [s + n for s, n in zip(starts, seq_lens)],
-                                 page_size, spare_pages=3)
-    return pw.PrefillPagedPlan.batch(table.pages, table.last_page_lens, list(starts), list(seq_lens),
-                                     num_qo_heads=hq, num_kv_heads=hkv, head_dim=16, page_size=page_size,
-                                     cta_tile_q=tile)
+    table = testing.random_pages(
+        torch.Generator().manual_seed(seed), [s + n for s, n in zip(starts, seq_lens)], page_size, spare_pages=3
+    )
+    return pw.PrefillPagedPlan.batch(
+        table.pages,
+        table.last_page_lens,
+        list(starts),
+        list(seq_lens),
+        num_qo_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=16,
+        page_size=page_size,
+        cta_tile_q=tile,
+    )
 
 
 # -- plan geometry ---------------------------------------------------------------------------------------------
@@ -83,8 +92,16 @@ def test_per_tile_max_is_the_max_over_each_tiles_packed_rows():
 
 
 # -- explorer ----------------------------------------------------------------------------------------------------
-CASE = dict(page_size=5, seq_lens=[37, 1, 20, 0], start_positions=[0, 24, 11, 9], num_qo_heads=4, num_kv_heads=2,
-            head_dim=32, window_left=13, sm_scale=1.0)
+CASE = dict(
+    page_size=5,
+    seq_lens=[37, 1, 20, 0],
+    start_positions=[0, 24, 11, 9],
+    num_qo_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    window_left=13,
+    sm_scale=1.0,
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -120,21 +137,32 @@ def _fake_call(length=40, hq=4, hkv=2, d=16, sliding_window=8, layer=0, seed=0, 
     def rand(*shape, std=1.0):
         return (torch.randn(*shape, generator=gen) * std).to(dtype)
 
-    return SimpleNamespace(layer_idx=layer, layer_type="sliding_attention" if sliding_window else "full_attention",
-                           q=rand(1, hq, length, d, std=d ** -0.25), k=rand(1, hkv, length, d, std=d ** -0.25),
-                           v=rand(1, hkv, length, d), scaling=1.0, sliding_window=sliding_window)
+    return SimpleNamespace(
+        layer_idx=layer,
+        layer_type="sliding_attention" if sliding_window else "full_attention",
+        q=rand(1, hq, length, d, std=d**-0.25),
+        k=rand(1, hkv, length, d, std=d**-0.25),
+        v=rand(1, hkv, length, d),
+        scaling=1.0,
+        sliding_window=sliding_window,
+    )
 
 
 @pytest.mark.parametrize("sliding_window", [8, None])
 @pytest.mark.parametrize("chunks", [(40,), (23, 17)])
 def test_replay_matches_dense_attention(sliding_window, chunks):
     calls = [_fake_call(sliding_window=sliding_window, layer=i, seed=i) for i in range(2)]
-    (ours0, ours1) = paged_replay.replay_capture(SimpleNamespace(calls=calls), chunks=chunks, page_size=5,
-                                                 backend="reference", seed=1)
+    (ours0, ours1) = paged_replay.replay_capture(
+        SimpleNamespace(calls=calls), chunks=chunks, page_size=5, backend="reference", seed=1
+    )
     for call, ours in zip(calls, (ours0, ours1)):
         want = testing.dense_attention_of_request(
-            call.q[0].transpose(0, 1), call.k[0].transpose(0, 1), call.v[0].transpose(0, 1), sm_scale=1.0,
-            window_left=pw.window_left_from_sliding_window(sliding_window))
+            call.q[0].transpose(0, 1),
+            call.k[0].transpose(0, 1),
+            call.v[0].transpose(0, 1),
+            sm_scale=1.0,
+            window_left=pw.window_left_from_sliding_window(sliding_window),
+        )
         assert (ours.double() - want).abs().max() < 1e-5
 
 
@@ -197,8 +225,17 @@ def test_paths_resolve_against_the_repository(tmp_path, monkeypatch):
 
 
 def test_metrics_are_json_safe(tmp_path):
-    path = artifacts.write_metrics(tmp_path, {"passed": False, "x": float("nan"), "y": float("-inf"),
-                                              "t": torch.tensor([1.5, 2.0]), "d": torch.float32, "n": (1, 2)})
+    path = artifacts.write_metrics(
+        tmp_path,
+        {
+            "passed": False,
+            "x": float("nan"),
+            "y": float("-inf"),
+            "t": torch.tensor([1.5, 2.0]),
+            "d": torch.float32,
+            "n": (1, 2),
+        },
+    )
     data = json.loads(path.read_text())
     assert data == {"passed": False, "x": "nan", "y": "-inf", "t": [1.5, 2.0], "d": "torch.float32", "n": [1, 2]}
     assert artifacts.read_metrics(tmp_path) == data
@@ -217,12 +254,28 @@ def test_csv_and_html_table(tmp_path):
 # -- benchmark results ---------------------------------------------------------------------------------------------
 def _results(tmp_path, name="h200-2026-01-02.json", *, ours_err=1e-3, ours_ms=0.5):
     records = [
-        {"system": "pagedwindow", "workload": "prefill_1x8192", "ms": ours_ms, "useful_tflops": 250.0,
-         "max_abs_err": ours_err},
-        {"system": "flashinfer_fa2", "workload": "prefill_1x8192", "ms": 0.6, "useful_tflops": 215.0,
-         "max_abs_err": 2e-3},
-        {"system": "flashinfer_fa3", "workload": "prefill_1x8192", "ms": None, "useful_tflops": None,
-         "max_abs_err": None, "status": "missing: flashinfer"},
+        {
+            "system": "pagedwindow",
+            "workload": "prefill_1x8192",
+            "ms": ours_ms,
+            "useful_tflops": 250.0,
+            "max_abs_err": ours_err,
+        },
+        {
+            "system": "flashinfer_fa2",
+            "workload": "prefill_1x8192",
+            "ms": 0.6,
+            "useful_tflops": 215.0,
+            "max_abs_err": 2e-3,
+        },
+        {
+            "system": "flashinfer_fa3",
+            "workload": "prefill_1x8192",
+            "ms": None,
+            "useful_tflops": None,
+            "max_abs_err": None,
+            "status": "missing: flashinfer",
+        },
         {"system": "pagedwindow", "workload": "decode_64x4096", "ms": 0.2, "useful_tflops": 5.0, "max_abs_err": 0.0},
         {"system": "pagedwindow", "workload": "decode_64x4096", "metric": "allocations_per_10_calls", "value": 0},
     ]
@@ -254,8 +307,9 @@ def test_bench_gate_fails_on_untimed_or_wrong_pagedwindow(tmp_path):
     assert "not timed" in bench_results.bench_gate(res, max_err_limit=2e-2)[0]
 
 
-@pytest.mark.parametrize("broken,field", [({"gpu": 1}, "gpu"), ({"peak_bf16_tflops": 0}, "peak_bf16_tflops"),
-                                          ({"records": {}}, "records")])
+@pytest.mark.parametrize(
+    "broken,field", [({"gpu": 1}, "gpu"), ({"peak_bf16_tflops": 0}, "peak_bf16_tflops"), ({"records": {}}, "records")]
+)
 def test_bench_results_schema_errors_name_the_field(tmp_path, broken, field):
     path = _results(tmp_path)
     data = dict(json.loads(path.read_text()), **broken)
@@ -290,8 +344,11 @@ def test_plan_drawings(tmp_path):
     result = explorer.run_case(case, backend="reference")
     _saved(plan_drawing.draw_masks(case.plan, 13), tmp_path, "mask")
     _saved(plan_drawing.draw_tiles(case.plan, 13), tmp_path, "tiles")
-    _saved(plan_drawing.draw_tile_errors(result.tile_err, result.spans, result.packed_err, limit=result.limit),
-           tmp_path, "tile_errors")
+    _saved(
+        plan_drawing.draw_tile_errors(result.tile_err, result.spans, result.packed_err, limit=result.limit),
+        tmp_path,
+        "tile_errors",
+    )
     big = _plan(page_size=16, seq_lens=(3000,), starts=(0,), hq=2, hkv=2)  # subsampled mask
     _saved(plan_drawing.draw_masks(big, 1023), tmp_path, "big_mask")
 
@@ -299,16 +356,30 @@ def test_plan_drawings(tmp_path):
 def test_prefill_plots(tmp_path):
     calls = [_fake_call(sliding_window=8, layer=0), _fake_call(sliding_window=None, layer=1, seed=1)]
     detail = prefill_detail.PrefillDetail(prompt_len=40, chunks=(23, 17), page_size=5)
-    for call, ours in zip(calls, paged_replay.replay_capture(SimpleNamespace(calls=calls), chunks=(23, 17),
-                                                              page_size=5, backend="reference")):
+    for call, ours in zip(
+        calls,
+        paged_replay.replay_capture(SimpleNamespace(calls=calls), chunks=(23, 17), page_size=5, backend="reference"),
+    ):
         err = (ours.double() - ours.double().round(decimals=3)).abs()  # stand-in errors
         hist, zeros = prefill_detail._histogram(err)
-        detail.layers.append(prefill_detail.LayerDetail(
-            layer=call.layer_idx, layer_type=call.layer_type,
-            window_left=pw.window_left_from_sliding_window(call.sliding_window), sm_scale=1.0,
-            head_err=err.amax(dim=(0, 2)), head_floor=err.amax(dim=(0, 2)) / 2, row_err=err.amax(dim=(1, 2)),
-            row_floor=err.amax(dim=(1, 2)) / 2, hist_err=hist, hist_floor=hist, zeros_err=zeros, zeros_floor=zeros,
-            ref_max=1.0, probe=paged_replay.probe_weights(call, chunks=(23, 17), page_size=5, backend="reference")))
+        detail.layers.append(
+            prefill_detail.LayerDetail(
+                layer=call.layer_idx,
+                layer_type=call.layer_type,
+                window_left=pw.window_left_from_sliding_window(call.sliding_window),
+                sm_scale=1.0,
+                head_err=err.amax(dim=(0, 2)),
+                head_floor=err.amax(dim=(0, 2)) / 2,
+                row_err=err.amax(dim=(1, 2)),
+                row_floor=err.amax(dim=(1, 2)) / 2,
+                hist_err=hist,
+                hist_floor=hist,
+                zeros_err=zeros,
+                zeros_floor=zeros,
+                ref_max=1.0,
+                probe=paged_replay.probe_weights(call, chunks=(23, 17), page_size=5, backend="reference"),
+            )
+        )
     assert sum(int(d.hist_err.sum()) + d.zeros_err for d in detail.layers) == 2 * 40 * 4 * 16
     _saved(prefill_plots.plot_error_vs_distance(detail), tmp_path, "distance")
     _saved(prefill_plots.plot_page_boundaries(detail, sliding_window=8), tmp_path, "pages")
@@ -347,8 +418,7 @@ def test_launch_record_and_environment_say_what_ran():
     assert outer["reference"] == inner["reference"] == 1
     assert runtime.launch_record()["launches"]["reference"] == before + 1  # nested blocks count a launch once
     record = runtime.launch_record(outer)
-    assert record == {"backend": "reference", "launches": {"reference": 1}, "prefill_kernels": [],
-                      "kv_copy_paths": []}
+    assert record == {"backend": "reference", "launches": {"reference": 1}, "prefill_kernels": [], "kv_copy_paths": []}
     assert runtime.environment(torch.device("cpu"), outer)["kernels"] == record
 
 
@@ -356,8 +426,9 @@ def test_observe_backends_records_the_cuda_kernel_and_copy_path(monkeypatch):
     """Through the API's dispatch with a stand-in CUDA backend: each launch's backend, kernel and copy path."""
     from pagedwindow import cuda
 
-    two, one = (explorer.build_case(**dict(CASE, num_kv_heads=hkv), dtype=torch.float32, backend="reference")
-                for hkv in (2, 1))
+    two, one = (
+        explorer.build_case(**dict(CASE, num_kv_heads=hkv), dtype=torch.float32, backend="reference") for hkv in (2, 1)
+    )
     seen = []
     fake = SimpleNamespace(batch_prefill_paged_window=lambda *a, **k: seen.append(a))
     monkeypatch.setattr(api, "_resolve_backend", lambda *args: "cuda")
@@ -366,16 +437,21 @@ def test_observe_backends_records_the_cuda_kernel_and_copy_path(monkeypatch):
     monkeypatch.setattr(cuda, "kv_copy_path", lambda pool, geometry, hkv: "tma" if hkv == 2 else "cp.async")
 
     def launch(case):
-        pw.batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0,
-                                      window_left=3, backend="cuda")
+        pw.batch_prefill_paged_window(
+            case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=1.0, window_left=3, backend="cuda"
+        )
 
     with runtime.observe_backends() as launches:
         launch(two)
         launch(two)
         launch(one)
     assert len(seen) == 3 and launches["cuda"] == 3
-    assert runtime.launch_record(launches) == {"backend": "cuda", "launches": {"cuda": 3},
-                                               "prefill_kernels": ["wgmma"], "kv_copy_paths": ["cp.async", "tma"]}
+    assert runtime.launch_record(launches) == {
+        "backend": "cuda",
+        "launches": {"cuda": 3},
+        "prefill_kernels": ["wgmma"],
+        "kv_copy_paths": ["cp.async", "tma"],
+    }
     monkeypatch.setattr(cuda, "kv_copy_path", lambda *a: 1 / 0)  # a failing query never breaks the launch
     with runtime.observe_backends() as launches:
         launch(two)
@@ -386,15 +462,18 @@ def test_zero_floor_and_error_range():
     assert figures.zero_floor(torch.tensor([0.0, 3e-3, 1e-2])) == pytest.approx(1e-4)
     assert figures.zero_floor([0.0], torch.tensor([float("nan")]), default=1e-9) == 1e-9
     lo, hi = figures.error_log_range(torch.bfloat16)
-    assert (lo, hi) == pytest.approx((math.log10(2 ** -7) - 3, math.log10(2 ** -7) + 1))
+    assert (lo, hi) == pytest.approx((math.log10(2**-7) - 3, math.log10(2**-7) + 1))
 
 
 def test_head_heatmap_scale_is_absolute_not_stretched_by_one_ulp():
-    ulp = 2 ** -8  # bf16 values in [0.5, 1): neighbouring heads one ulp apart
-    layer = SimpleNamespace(layer=0, window_left=7, head_err=torch.tensor([2 * ulp, 3 * ulp, 2 * ulp, 2 * ulp]),
-                            head_floor=torch.tensor([2 * ulp, 2 * ulp, 0.0, 2 * ulp]))
-    detail = prefill_detail.PrefillDetail(prompt_len=8, chunks=(8,), page_size=4, layers=[layer],
-                                          dtype=torch.bfloat16)
+    ulp = 2**-8  # bf16 values in [0.5, 1): neighbouring heads one ulp apart
+    layer = SimpleNamespace(
+        layer=0,
+        window_left=7,
+        head_err=torch.tensor([2 * ulp, 3 * ulp, 2 * ulp, 2 * ulp]),
+        head_floor=torch.tensor([2 * ulp, 2 * ulp, 0.0, 2 * ulp]),
+    )
+    detail = prefill_detail.PrefillDetail(prompt_len=8, chunks=(8,), page_size=4, layers=[layer], dtype=torch.bfloat16)
     fig = prefill_plots.plot_head_heatmap(detail)
     images = [ax.images[0] for ax in fig.axes if ax.images]
     lo, hi = figures.error_log_range(torch.bfloat16)
@@ -409,8 +488,9 @@ def test_tile_error_axis_is_not_stretched_by_an_exact_zero():
     case = explorer.build_case(**CASE, dtype=torch.bfloat16, seed=0)
     result = explorer.run_case(case, backend="reference")
     result.packed_err[0][0, 0] = 0.0
-    fig = plan_drawing.draw_tile_errors(result.tile_err, result.spans, result.packed_err, limit=result.limit,
-                                        dtype=torch.bfloat16)
+    fig = plan_drawing.draw_tile_errors(
+        result.tile_err, result.spans, result.packed_err, limit=result.limit, dtype=torch.bfloat16
+    )
     heat, rows = fig.axes[0], fig.axes[1]  # axes[2] is the colour bar
     assert heat.images[0].get_clim() == pytest.approx(figures.error_log_range(torch.bfloat16))
     smallest = min(float(e[e > 0].min()) for e in result.packed_err if (e > 0).any())
@@ -433,17 +513,36 @@ def test_masks_are_a_grid():
 
 
 def _recorded_results(tmp_path):
-    records = [{"system": s, "workload": w, "ms": ms, "useful_tflops": 1.0, "max_abs_err": err, "status": "ok",
-                "err_bound": bound}
-               for w, bound in (("prefill_1x8192", 0.05), ("decode_64x4096", 0.04))
-               for s, ms, err in (("pagedwindow", 0.3, 0.031), ("flashinfer_fa2", 0.5, 0.0), ("sdpa", 4.5, 0.015))]
-    records.append({"system": "pagedwindow", "workload": "old_file", "ms": 0.2, "useful_tflops": 1.0,
-                    "max_abs_err": 0.01})  # no status: the fallback limit applies
-    records.append({"system": "flashinfer_fa2", "workload": "old_file", "ms": 0.4, "useful_tflops": 1.0,
-                    "max_abs_err": 0.01})
+    records = [
+        {
+            "system": s,
+            "workload": w,
+            "ms": ms,
+            "useful_tflops": 1.0,
+            "max_abs_err": err,
+            "status": "ok",
+            "err_bound": bound,
+        }
+        for w, bound in (("prefill_1x8192", 0.05), ("decode_64x4096", 0.04))
+        for s, ms, err in (("pagedwindow", 0.3, 0.031), ("flashinfer_fa2", 0.5, 0.0), ("sdpa", 4.5, 0.015))
+    ]
+    records.append(
+        {"system": "pagedwindow", "workload": "old_file", "ms": 0.2, "useful_tflops": 1.0, "max_abs_err": 0.01}
+    )  # no status: the fallback limit applies
+    records.append(
+        {"system": "flashinfer_fa2", "workload": "old_file", "ms": 0.4, "useful_tflops": 1.0, "max_abs_err": 0.01}
+    )
     path = tmp_path / "h200-2026-12-02.json"
-    path.write_text(json.dumps({"gpu": "NVIDIA H200", "peak_bf16_tflops": 800.0, "prefill_kernel":
-                                "pw_prefill_hd256_bf16_sm90", "records": records}))
+    path.write_text(
+        json.dumps(
+            {
+                "gpu": "NVIDIA H200",
+                "peak_bf16_tflops": 800.0,
+                "prefill_kernel": "pw_prefill_hd256_bf16_sm90",
+                "records": records,
+            }
+        )
+    )
     return bench_results.load_results(path)
 
 
@@ -452,8 +551,9 @@ def test_applied_bound_is_what_the_gate_applies(tmp_path):
     bounds = [bench_results.applied_bound(res.record(w, "pagedwindow"), max_err_limit=0.02) for w in res.workloads]
     assert bounds == [0.05, 0.04, 0.02] and res.prefill_kernel == "pw_prefill_hd256_bf16_sm90"
     assert bench_results.bench_gate(res, max_err_limit=0.02) == []
-    assert bench_results.bench_gate(res, max_err_limit=0.005) == ["old_file: pagedwindow max_abs_err 0.01 exceeds "
-                                                                  "0.005"]
+    assert bench_results.bench_gate(res, max_err_limit=0.005) == [
+        "old_file: pagedwindow max_abs_err 0.01 exceeds 0.005"
+    ]
     summary = bench_results.gate_summary(res, [], max_err_limit=0.02)
     assert "3 of 3 workloads" in summary and "0.031 against its bound 0.04" in summary
 
@@ -463,8 +563,11 @@ def test_error_plot_draws_the_applied_bounds_and_points(tmp_path):
     fig = bench_plots.plot_errors(res, max_err_limit=0.02)
     (ax,) = fig.axes
     segments = [seg for bars in ax.collections for seg in bars.get_segments()]  # each workload's bound
-    assert sorted((round(float(seg[0][0] + seg[1][0]) / 2, 6), round(float(seg[0][1]), 6)) for seg in segments) \
-        == [(0.0, 0.05), (1.0, 0.04), (2.0, 0.02)]
+    assert sorted((round(float(seg[0][0] + seg[1][0]) / 2, 6), round(float(seg[0][1]), 6)) for seg in segments) == [
+        (0.0, 0.05),
+        (1.0, 0.04),
+        (2.0, 0.02),
+    ]
     systems = [line for line in ax.lines if line.get_label() in res.systems]
     assert len(systems) == 3 and all(line.get_linestyle() == "None" for line in systems)  # points, not lines
     assert ax.get_yscale() == "log" and ax.get_ylim()[0] > 1e-4  # the exact 0 does not stretch the axis

@@ -51,8 +51,9 @@ _fallbacks_warned: set[str] = set()
 _log = logging.getLogger(__name__)
 
 
-def _resolve_backend(what: str, backend: str, plan: PrefillPagedPlan, first: torch.Tensor,
-                     *others: torch.Tensor | None) -> str:
+def _resolve_backend(
+    what: str, backend: str, plan: PrefillPagedPlan, first: torch.Tensor, *others: torch.Tensor | None
+) -> str:
     """The backend that runs this call; ``first`` decides device and dtype (``others`` may hold None: no lse)."""
     if backend == "reference":
         return backend
@@ -68,8 +69,9 @@ def _resolve_backend(what: str, backend: str, plan: PrefillPagedPlan, first: tor
             return "cuda"
         if reason not in _fallbacks_warned:
             _fallbacks_warned.add(reason)
-            warnings.warn(f"{what}: backend 'auto' runs the PyTorch reference on {device}: {reason}",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"{what}: backend 'auto' runs the PyTorch reference on {device}: {reason}", RuntimeWarning, stacklevel=3
+            )
             _log.warning("%s: backend 'auto' runs the PyTorch reference on %s: %s", what, device, reason)
         else:
             _log.debug("%s: backend 'auto' runs the PyTorch reference on %s: %s", what, device, reason)
@@ -137,8 +139,9 @@ def _plan_on_pool(what: str, plan, layout, pool, layer):
     return state, geometry
 
 
-def _check_rows(what: str, name: str, t, *, rows: int, tail: tuple[int, ...], pool: torch.Tensor,
-                dtype: torch.dtype | None = None) -> None:
+def _check_rows(
+    what: str, name: str, t, *, rows: int, tail: tuple[int, ...], pool: torch.Tensor, dtype: torch.dtype | None = None
+) -> None:
     """``t`` is a contiguous tensor ``[>= rows, *tail]`` on the pool's device with the pool's dtype."""
     if not isinstance(t, torch.Tensor):
         raise PagedWindowError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -159,11 +162,14 @@ def _check_rows(what: str, name: str, t, *, rows: int, tail: tuple[int, ...], po
 def _check_writable(what: str, name: str, t: torch.Tensor) -> None:
     """A tensor this call writes is not tracked by autograd and may be written in the current mode."""
     if t.requires_grad:
-        raise PagedWindowError(f"{what}: {name} requires grad; the op writes it in place and is not "
-                               f"differentiable (pass a tensor that does not require grad)")
+        raise PagedWindowError(
+            f"{what}: {name} requires grad; the op writes it in place and is not "
+            f"differentiable (pass a tensor that does not require grad)"
+        )
     if not torch.compiler.is_compiling() and t.is_inference() and not torch.is_inference_mode_enabled():
-        raise PagedWindowError(f"{what}: {name} was made under torch.inference_mode() and may only be written "
-                               f"inside inference mode")
+        raise PagedWindowError(
+            f"{what}: {name} was made under torch.inference_mode() and may only be written inside inference mode"
+        )
 
 
 def _byte_range(t: torch.Tensor) -> tuple[int, int]:
@@ -184,10 +190,19 @@ def _check_disjoint(what: str, written: str, w: torch.Tensor, *others: tuple[str
                 raise PagedWindowError(f"{what}: {written} overlaps {name} in memory")
 
 
-def batch_prefill_paged_window(q: torch.Tensor, pool: torch.Tensor, layout: PagedKvLayout, layer: int,
-                               plan: PrefillPagedPlan, *, sm_scale: float, window_left: int,
-                               out: torch.Tensor | None = None, lse: torch.Tensor | None = None,
-                               backend: str = "auto") -> torch.Tensor:
+def batch_prefill_paged_window(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    layout: PagedKvLayout,
+    layer: int,
+    plan: PrefillPagedPlan,
+    *,
+    sm_scale: float,
+    window_left: int,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
     """Windowed paged attention for every request of ``plan``; returns ``out[:total_tokens]``.
 
     q: ``[rows >= total_tokens, num_qo_heads, head_dim]`` (query row j of request i is at KV position
@@ -219,16 +234,26 @@ def batch_prefill_paged_window(q: torch.Tensor, pool: torch.Tensor, layout: Page
     for observe in prefill_observers:
         observe(chosen, q, pool, geometry, plan)
     if chosen == "cuda":
-        _cuda_backend().batch_prefill_paged_window(q, pool, geometry, plan, sm_scale=sm_scale,
-                                                   window_left=window_left, out=out, lse=lse)
+        _cuda_backend().batch_prefill_paged_window(
+            q, pool, geometry, plan, sm_scale=sm_scale, window_left=window_left, out=out, lse=lse
+        )
     else:
-        reference.batch_prefill_paged_window(q.detach(), pool.detach(), geometry, plan, sm_scale=sm_scale,
-                                             window_left=window_left, out=out, lse=lse)
+        reference.batch_prefill_paged_window(
+            q.detach(), pool.detach(), geometry, plan, sm_scale=sm_scale, window_left=window_left, out=out, lse=lse
+        )
     return out if out.shape[0] == rows else out[:rows]
 
 
-def append_paged_kv(k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, layout: PagedKvLayout, layer: int,
-                    plan: PrefillPagedPlan, *, backend: str = "auto") -> None:
+def append_paged_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: torch.Tensor,
+    layout: PagedKvLayout,
+    layer: int,
+    plan: PrefillPagedPlan,
+    *,
+    backend: str = "auto",
+) -> None:
     """Write each request's new K/V rows (positions ``start_i .. start_i + seq_i - 1``) into their slots.
 
     k, v: ``[rows >= total_tokens, num_kv_heads, head_dim]`` in request order, read as detached values. The plan

@@ -74,8 +74,9 @@ class Workload:
 
     def visible_pairs(self) -> int:
         """Visible (query, key) pairs per head, summed over the batch (O(batch))."""
-        return sum(visible_pairs_of_request(s, n, self.window_left)
-                   for s, n in zip(self.start_positions, self.seq_lens))
+        return sum(
+            visible_pairs_of_request(s, n, self.window_left) for s, n in zip(self.start_positions, self.seq_lens)
+        )
 
     def useful_flops(self) -> int:
         return 4 * HEAD_DIM * HQ * self.visible_pairs()
@@ -141,8 +142,13 @@ def paged_csr(w: Workload, order: list[int]) -> Csr:
 
 def plan_kwargs(w: Workload, cta_tile_q=None) -> dict:
     """The keyword arguments of ``PrefillPagedPlan.from_csr`` / ``update_csr`` for ``w`` (minus ``device``)."""
-    return {"num_qo_heads": HQ, "num_kv_heads": HKV, "head_dim": HEAD_DIM, "page_size": w.page_size,
-            "cta_tile_q": cta_tile_q}
+    return {
+        "num_qo_heads": HQ,
+        "num_kv_heads": HKV,
+        "head_dim": HEAD_DIM,
+        "page_size": w.page_size,
+        "cta_tile_q": cta_tile_q,
+    }
 
 
 @dataclass
@@ -170,8 +176,9 @@ def make_inputs(w: Workload, gen: torch.Generator, device, cta_tile_q=None) -> I
     pool = layout.allocate(table.num_pages, torch.bfloat16, device)  # [num_pages, 1, 2, page_size, HKV, HEAD_DIM]
     pool.normal_(generator=fill)
     plan = pw.PrefillPagedPlan.from_csr(*csr, **plan_kwargs(w, cta_tile_q), device=device)
-    q = torch.randn(sum(w.seq_lens), HQ, HEAD_DIM, generator=fill, device=device,
-                    dtype=torch.bfloat16)  # [total_tokens, HQ, HEAD_DIM]
+    q = torch.randn(
+        sum(w.seq_lens), HQ, HEAD_DIM, generator=fill, device=device, dtype=torch.bfloat16
+    )  # [total_tokens, HQ, HEAD_DIM]
     return Inputs(layout, pool, csr, plan, q, torch.empty_like(q), cta_tile_q)
 
 
@@ -187,10 +194,21 @@ def dense_kv(inp: Inputs, request: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 # -- systems: each returns a zero-argument callable that writes its output, and that output ---------------------
 
+
 def system_pagedwindow(w: Workload, inp: Inputs):
     def call():
-        pw.batch_prefill_paged_window(inp.q, inp.pool, inp.layout, 0, inp.plan, sm_scale=SM_SCALE,
-                                      window_left=w.window_left, out=inp.out, backend="cuda")
+        pw.batch_prefill_paged_window(
+            inp.q,
+            inp.pool,
+            inp.layout,
+            0,
+            inp.plan,
+            sm_scale=SM_SCALE,
+            window_left=w.window_left,
+            out=inp.out,
+            backend="cuda",
+        )
+
     return call, lambda: inp.out
 
 
@@ -202,8 +220,18 @@ def _flashinfer_wrapper(backend: str, device):
 
 
 def _flashinfer_plan(wrapper, csr: Csr, w: Workload) -> None:
-    wrapper.plan(*csr, HQ, HKV, HEAD_DIM, w.page_size, causal=True, window_left=w.window_left, sm_scale=SM_SCALE,
-                 q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+    wrapper.plan(
+        *csr,
+        HQ,
+        HKV,
+        HEAD_DIM,
+        w.page_size,
+        causal=True,
+        window_left=w.window_left,
+        sm_scale=SM_SCALE,
+        q_data_type=torch.bfloat16,
+        kv_data_type=torch.bfloat16,
+    )
 
 
 def _flashinfer(backend: str):
@@ -216,7 +244,9 @@ def _flashinfer(backend: str):
 
         def call():
             wrapper.run(inp.q, (k_cache, v_cache), out=out)
+
         return call, lambda: out
+
     return make
 
 
@@ -229,7 +259,7 @@ def system_flex(w: Workload, inp: Inputs):
     for r, (start, seq) in enumerate(zip(w.start_positions, w.seq_lens)):
         k, v = dense_kv(inp, r)
         kv_len = start + seq
-        qr = inp.q[qo[r]: qo[r + 1]].transpose(0, 1)[None]  # [1, HQ, seq, D]
+        qr = inp.q[qo[r] : qo[r + 1]].transpose(0, 1)[None]  # [1, HQ, seq, D]
         kr, vr = k.transpose(0, 1)[None].contiguous(), v.transpose(0, 1)[None].contiguous()  # [1, HKV, kv, D]
         offset, wl = kv_len - seq, w.window_left
 
@@ -249,8 +279,10 @@ def system_flex(w: Workload, inp: Inputs):
         outs.clear()
         for qr, kr, vr, mask in calls:
             outs.append(compiled(qr, kr, vr, block_mask=mask, scale=SM_SCALE, enable_gqa=True))
-    return call, lambda: torch.cat([o[0].transpose(0, 1) if o.shape[0] == 1 else
-                                    o.transpose(1, 2).reshape(-1, HQ, HEAD_DIM) for o in outs])
+
+    return call, lambda: torch.cat(
+        [o[0].transpose(0, 1) if o.shape[0] == 1 else o.transpose(1, 2).reshape(-1, HQ, HEAD_DIM) for o in outs]
+    )
 
 
 def system_sdpa(w: Workload, inp: Inputs):
@@ -263,7 +295,7 @@ def system_sdpa(w: Workload, inp: Inputs):
     batches = []
     for (start, seq), reqs in groups.items():
         kv_len = start + seq
-        q = torch.stack([inp.q[qo[r]: qo[r + 1]].transpose(0, 1) for r in reqs])  # [B, HQ, seq, D]
+        q = torch.stack([inp.q[qo[r] : qo[r + 1]].transpose(0, 1) for r in reqs])  # [B, HQ, seq, D]
         kvs = [dense_kv(inp, r) for r in reqs]
         k = torch.stack([x[0].transpose(0, 1) for x in kvs]).contiguous()  # [B, HKV, kv, D]
         v = torch.stack([x[1].transpose(0, 1) for x in kvs]).contiguous()
@@ -276,23 +308,31 @@ def system_sdpa(w: Workload, inp: Inputs):
     def call():
         outs.clear()
         for reqs, q, k, v, mask in batches:
-            outs.append((reqs, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SM_SCALE,
-                                                              enable_gqa=True)))
+            outs.append(
+                (reqs, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=SM_SCALE, enable_gqa=True))
+            )
 
     def output():
         result = torch.empty_like(inp.q)
         for reqs, o in outs:
             for i, r in enumerate(reqs):
-                result[qo[r]: qo[r + 1]] = o[i].transpose(0, 1)
+                result[qo[r] : qo[r + 1]] = o[i].transpose(0, 1)
         return result
+
     return call, output
 
 
-MAKERS = {"pagedwindow": system_pagedwindow, "flashinfer_fa2": _flashinfer("fa2"),
-          "flashinfer_fa3": _flashinfer("fa3"), "flex": system_flex, "sdpa": system_sdpa}
+MAKERS = {
+    "pagedwindow": system_pagedwindow,
+    "flashinfer_fa2": _flashinfer("fa2"),
+    "flashinfer_fa3": _flashinfer("fa3"),
+    "flex": system_flex,
+    "sdpa": system_sdpa,
+}
 
 
 # -- timing -------------------------------------------------------------------------------------------------------
+
 
 def median_ms(calls: list, reps: int) -> float:
     """Median CUDA-event time of ``calls`` in rotation, with the host queued ahead of the GPU."""
@@ -339,8 +379,12 @@ def host_ms(fn, reps: int, synchronize=torch.cuda.synchronize) -> float:
     return statistics.median(times)
 
 
-NO_PLAN = {"plan_ms": None, "update_plan_ms": None, "plan_inputs": None,
-           "plan_status": "not applicable: no plan step (masks are built once, outside the timed call)"}
+NO_PLAN = {
+    "plan_ms": None,
+    "update_plan_ms": None,
+    "plan_inputs": None,
+    "plan_status": "not applicable: no plan step (masks are built once, outside the timed call)",
+}
 
 
 def plan_times(system: str, w: Workload, inp: Inputs, reps: int) -> dict:
@@ -358,19 +402,22 @@ def plan_times(system: str, w: Workload, inp: Inputs, reps: int) -> dict:
     if system == "pagedwindow":
         kwargs = plan_kwargs(w, inp.cta_tile_q)
         plan = pw.PrefillPagedPlan.from_csr(*inp.csr, **kwargs, device=device)
-        return {"plan_ms": host_ms(lambda: pw.PrefillPagedPlan.from_csr(*inp.csr, **kwargs, device=device), reps,
-                                   sync),
-                "update_plan_ms": host_ms(lambda: plan.update_csr(*inp.csr, **kwargs), reps, sync),
-                "plan_inputs": dict.fromkeys(Csr._fields, "cpu"),
-                "plan_status": "from_csr (new plan) / update_csr (in place) of the CPU int32 CSR"}
+        return {
+            "plan_ms": host_ms(lambda: pw.PrefillPagedPlan.from_csr(*inp.csr, **kwargs, device=device), reps, sync),
+            "update_plan_ms": host_ms(lambda: plan.update_csr(*inp.csr, **kwargs), reps, sync),
+            "plan_inputs": dict.fromkeys(Csr._fields, "cpu"),
+            "plan_status": "from_csr (new plan) / update_csr (in place) of the CPU int32 CSR",
+        }
     wrapper = _flashinfer_wrapper(system.removeprefix("flashinfer_"), device)
     on_device = Csr(*(t.to(device) for t in inp.csr))
     host_indptr = inp.csr._replace(kv_indices=on_device.kv_indices)
-    return {"plan_ms": host_ms(lambda: _flashinfer_plan(wrapper, on_device, w), reps, sync),
-            "update_plan_ms": None,
-            "plan_ms_host_indptr": host_ms(lambda: _flashinfer_plan(wrapper, host_indptr, w), reps, sync),
-            "plan_inputs": dict.fromkeys(Csr._fields, "cuda"),
-            "plan_status": "wrapper.plan on a warm wrapper (FlashInfer re-plans this way every step)"}
+    return {
+        "plan_ms": host_ms(lambda: _flashinfer_plan(wrapper, on_device, w), reps, sync),
+        "update_plan_ms": None,
+        "plan_ms_host_indptr": host_ms(lambda: _flashinfer_plan(wrapper, host_indptr, w), reps, sync),
+        "plan_inputs": dict.fromkeys(Csr._fields, "cuda"),
+        "plan_status": "wrapper.plan on a warm wrapper (FlashInfer re-plans this way every step)",
+    }
 
 
 def gemm_tflops(device) -> float:
@@ -382,8 +429,9 @@ def gemm_tflops(device) -> float:
 
 
 def reference_output(w: Workload, inp: Inputs) -> torch.Tensor:
-    return pw.batch_prefill_paged_window(inp.q, inp.pool, inp.layout, 0, inp.plan, sm_scale=SM_SCALE,
-                                         window_left=w.window_left, backend="reference").float()
+    return pw.batch_prefill_paged_window(
+        inp.q, inp.pool, inp.layout, 0, inp.plan, sm_scale=SM_SCALE, window_left=w.window_left, backend="reference"
+    ).float()
 
 
 def allocations_per_call(w: Workload, inp: Inputs) -> int:
@@ -400,13 +448,25 @@ def allocations_per_call(w: Workload, inp: Inputs) -> int:
 
 def new_record(system: str, workload: str) -> dict:
     """A record before measurement: every time ``None`` (not measured / not applicable), status ``ok``."""
-    return {"system": system, "workload": workload, "e2e_ms": None, "ms": None, "plan_ms": None,
-            "update_plan_ms": None, "useful_tflops": None, "max_abs_err": None, "err_bound": None, "status": "ok",
-            "plan_inputs": None, "plan_status": None}
+    return {
+        "system": system,
+        "workload": workload,
+        "e2e_ms": None,
+        "ms": None,
+        "plan_ms": None,
+        "update_plan_ms": None,
+        "useful_tflops": None,
+        "max_abs_err": None,
+        "err_bound": None,
+        "status": "ok",
+        "plan_inputs": None,
+        "plan_status": None,
+    }
 
 
-def _time_system(record: dict, system: str, w: Workload, input_sets: list, want: torch.Tensor, reps: int,
-                 loops: int) -> None:
+def _time_system(
+    record: dict, system: str, w: Workload, input_sets: list, want: torch.Tensor, reps: int, loops: int
+) -> None:
     """Check ``system``'s output, then fill ``record`` with its kernel, end-to-end and plan times."""
     made = [MAKERS[system](w, inp) for inp in input_sets]
     made[0][0]()
@@ -426,16 +486,19 @@ def _time_system(record: dict, system: str, w: Workload, input_sets: list, want:
     record.update(plan_times(system, w, input_sets[0], max(5, reps // 2)))
 
 
-def run_bench(out="benchmarks/results", workloads=None, systems=None, sweep=False, quick=False, cta_tile_q=None,
-              label=None) -> int:
+def run_bench(
+    out="benchmarks/results", workloads=None, systems=None, sweep=False, quick=False, cta_tile_q=None, label=None
+) -> int:
     """Measure, print a table, write ``<gpu-slug>-<date>[-label].json`` / ``.md`` into ``out``; an exit code.
 
     ``cta_tile_q`` overrides the plans' tile (all systems see the same batch; only pagedwindow reads the tile).
     """
     unknown = [n for n in workloads or () if n not in WORKLOADS] + [s for s in systems or () if s not in MAKERS]
     if unknown:
-        print(f"pagedwindow bench: unknown workload or system {unknown}; workloads {list(WORKLOADS)}, "
-              f"systems {list(MAKERS)}")
+        print(
+            f"pagedwindow bench: unknown workload or system {unknown}; workloads {list(WORKLOADS)}, "
+            f"systems {list(MAKERS)}"
+        )
         return 2
     if not torch.cuda.is_available():
         print("pagedwindow bench needs a CUDA GPU; none is available.")
@@ -465,9 +528,11 @@ def run_bench(out="benchmarks/results", workloads=None, systems=None, sweep=Fals
                     record["status"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
                     traceback.print_exc()
             records.append(record)
-            print(f"{w.name:>22} {system:>15}  e2e {_num(record['e2e_ms'], '9.4f')}  kernel "
-                  f"{_num(record['ms'], '9.4f')}  plan {_num(record['plan_ms'], '8.4f')} ms  {record['status']}",
-                  flush=True)
+            print(
+                f"{w.name:>22} {system:>15}  e2e {_num(record['e2e_ms'], '9.4f')}  kernel "
+                f"{_num(record['ms'], '9.4f')}  plan {_num(record['plan_ms'], '8.4f')} ms  {record['status']}",
+                flush=True,
+            )
         if "pagedwindow" in systems:
             allocations[w.name] = allocations_per_call(w, input_sets[0])
         del input_sets
@@ -475,10 +540,17 @@ def run_bench(out="benchmarks/results", workloads=None, systems=None, sweep=Fals
     from .cuda import build, ops
 
     kernel = ops.prefill_entry(build.target_for_capability(*torch.cuda.get_device_capability(device)))
-    result = {"gpu": torch.cuda.get_device_name(device), "date": datetime.date.today().isoformat(),
-              "prefill_kernel": kernel, "torch": torch.__version__, "peak_bf16_tflops": peak,
-              "tile_override": cta_tile_q, "label": label, "allocations_per_10_calls": allocations,
-              "records": records}
+    result = {
+        "gpu": torch.cuda.get_device_name(device),
+        "date": datetime.date.today().isoformat(),
+        "prefill_kernel": kernel,
+        "torch": torch.__version__,
+        "peak_bf16_tflops": peak,
+        "tile_override": cta_tile_q,
+        "label": label,
+        "allocations_per_10_calls": allocations,
+        "records": records,
+    }
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     stem = result_stem(result["gpu"], result["date"], label)
@@ -515,38 +587,58 @@ def markdown_table(result: dict) -> str:
     ratios = flashinfer_ratios(timed)
     peak = result["peak_bf16_tflops"]
     override = result.get("tile_override", result.get("cta_tile_q"))  # older files: top-level cta_tile_q
-    lines = [f"GPU: {result['gpu']}; bf16 GEMM {peak:.0f} TF/s measured in the same run; plan tile "
-             + (f"forced to {override}" if override else "the plan's own choice"), "",
-             "| workload | system | e2e ms | kernel ms | plan ms | update ms | useful TF/s | % GEMM | "
-             "e2e / FI best | kernel / FI best | max abs err |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"GPU: {result['gpu']}; bf16 GEMM {peak:.0f} TF/s measured in the same run; plan tile "
+        + (f"forced to {override}" if override else "the plan's own choice"),
+        "",
+        "| workload | system | e2e ms | kernel ms | plan ms | update ms | useful TF/s | % GEMM | "
+        "e2e / FI best | kernel / FI best | max abs err |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in timed:
         if r.get("ms") is None and r.get("e2e_ms") is None:
             lines.append(f"| {r['workload']} | {r['system']} |" + " — |" * 8 + f" {r.get('status', 'missing')} |")
             continue
         tflops = r.get("useful_tflops")
         e2e_ratio, ms_ratio = ratios.get((r["workload"], r["system"]), (None, None))
-        lines.append(f"| {r['workload']} | {r['system']} | {_num(r.get('e2e_ms'), '.4f')} | "
-                     f"{_num(r.get('ms'), '.4f')} | {_num(r.get('plan_ms'), '.4f')} | "
-                     f"{_num(r.get('update_plan_ms'), '.4f')} | {_num(tflops, '.1f')} | "
-                     f"{_num(None if tflops is None else 100 * tflops / peak, '.1f')} | "
-                     f"{_num(e2e_ratio, '.2f', '×')} | {_num(ms_ratio, '.2f', '×')} | "
-                     f"{_num(r.get('max_abs_err'), '.2e')} |")
-    lines += ["", "e2e: back-to-back API calls, wall clock, host not queued ahead; kernel: CUDA events, host queued "
-              "ahead; plan: host time of planning from the CSR page table (pagedwindow `from_csr`, FlashInfer "
-              "`wrapper.plan` with CUDA-tensor arrays); update: pagedwindow's in-place `update_csr` (FlashInfer "
-              "re-plans with `wrapper.plan`: its plan ms)."]
-    host_indptr = [f"{r['workload']} {r['system'].removeprefix('flashinfer_')} {r['plan_ms_host_indptr']:.4f}"
-                   for r in timed if r.get("plan_ms_host_indptr") is not None]
+        lines.append(
+            f"| {r['workload']} | {r['system']} | {_num(r.get('e2e_ms'), '.4f')} | "
+            f"{_num(r.get('ms'), '.4f')} | {_num(r.get('plan_ms'), '.4f')} | "
+            f"{_num(r.get('update_plan_ms'), '.4f')} | {_num(tflops, '.1f')} | "
+            f"{_num(None if tflops is None else 100 * tflops / peak, '.1f')} | "
+            f"{_num(e2e_ratio, '.2f', '×')} | {_num(ms_ratio, '.2f', '×')} | "
+            f"{_num(r.get('max_abs_err'), '.2e')} |"
+        )
+    lines += [
+        "",
+        "e2e: back-to-back API calls, wall clock, host not queued ahead; kernel: CUDA events, host queued "
+        "ahead; plan: host time of planning from the CSR page table (pagedwindow `from_csr`, FlashInfer "
+        "`wrapper.plan` with CUDA-tensor arrays); update: pagedwindow's in-place `update_csr` (FlashInfer "
+        "re-plans with `wrapper.plan`: its plan ms).",
+    ]
+    host_indptr = [
+        f"{r['workload']} {r['system'].removeprefix('flashinfer_')} {r['plan_ms_host_indptr']:.4f}"
+        for r in timed
+        if r.get("plan_ms_host_indptr") is not None
+    ]
     if host_indptr:
-        lines += ["", "FlashInfer plan ms with the indptrs and last_page_len on the host (vLLM's form): "
-                  + ", ".join(host_indptr)]
-    tiles = [f"{r['workload']} {r['cta_tile_q']}" for r in timed
-             if r["system"] == "pagedwindow" and r.get("cta_tile_q") is not None]
+        lines += [
+            "",
+            "FlashInfer plan ms with the indptrs and last_page_len on the host (vLLM's form): "
+            + ", ".join(host_indptr),
+        ]
+    tiles = [
+        f"{r['workload']} {r['cta_tile_q']}"
+        for r in timed
+        if r["system"] == "pagedwindow" and r.get("cta_tile_q") is not None
+    ]
     if tiles:
         lines += ["", "pagedwindow's plan tile (cta_tile_q): " + ", ".join(tiles)]
     allocations = result.get("allocations_per_10_calls") or {}
     if allocations:
-        lines += ["", "Allocations made by 10 pagedwindow calls with `out` given (the contract: 0): "
-                  + ", ".join(f"{w} {n}" for w, n in allocations.items())]
+        lines += [
+            "",
+            "Allocations made by 10 pagedwindow calls with `out` given (the contract: 0): "
+            + ", ".join(f"{w} {n}" for w, n in allocations.items()),
+        ]
     return "\n".join(lines) + "\n"

@@ -9,8 +9,10 @@ import argparse
 import sys
 
 EXIT_USAGE = 2
-DESCRIPTION = ("Sliding-window paged attention at head_dim 256 (Gemma 4's local layers). Run the oracle notebooks "
-               "as an HTML report, benchmark against peers on a GPU, or check what would run on this machine.")
+DESCRIPTION = (
+    "Sliding-window paged attention at head_dim 256 (Gemma 4's local layers). Run the oracle notebooks "
+    "as an HTML report, benchmark against peers on a GPU, or check what would run on this machine."
+)
 EPILOG = "exit codes: 0 success, 1 a gate failed (report), 2 a usage error"
 
 
@@ -23,30 +25,48 @@ def build_parser() -> argparse.ArgumentParser:
 
     text = "run the oracle notebooks through papermill and render an HTML report"
     report = sub.add_parser("report", help=text, description=text[0].upper() + text[1:] + ".", epilog=EPILOG)
-    report.add_argument("--params", default="default",
-                        help="parameter set: a name in notebooks/params (smoke, default, gemma4_12b) or a YAML path")
+    report.add_argument(
+        "--params",
+        default="default",
+        help="parameter set: a name in notebooks/params (smoke, default, gemma4_12b) or a YAML path",
+    )
     report.add_argument("--out", default=None, help="report directory (default: reports/<params>)")
-    report.add_argument("--notebooks", nargs="*", default=None,
-                        help="notebooks to run: stems, file names or unique prefixes such as 02 (default: all)")
+    report.add_argument(
+        "--notebooks",
+        nargs="*",
+        default=None,
+        help="notebooks to run: stems, file names or unique prefixes such as 02 (default: all)",
+    )
 
     text = "time pagedwindow against its peers on the Gemma-4 workloads (needs a CUDA GPU)"
-    bench = sub.add_parser("bench", help=text, epilog=EPILOG,
-                           description=text[0].upper() + text[1:] + ": end-to-end, kernel and plan time.")
-    bench.add_argument("--out", default="benchmarks/results",
-                       help="directory for <gpu>-<date>[-label].json, its table and plots")
+    bench = sub.add_parser(
+        "bench",
+        help=text,
+        epilog=EPILOG,
+        description=text[0].upper() + text[1:] + ": end-to-end, kernel and plan time.",
+    )
+    bench.add_argument(
+        "--out", default="benchmarks/results", help="directory for <gpu>-<date>[-label].json, its table and plots"
+    )
     bench.add_argument("--workloads", nargs="*", default=None, help="workload names (default: all)")
     bench.add_argument("--systems", nargs="*", default=None, help="systems to time (default: all)")
     bench.add_argument("--sweep", action="store_true", help="also sweep kv length and window")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
-    bench.add_argument("--cta-tile-q", type=int, default=None,
-                       help="force the plans' query tile (16, 64 or 128; default: each plan's own choice)")
-    bench.add_argument("--label", default=None,
-                       help="suffix of the result file names, e.g. a kernel variant (letters, digits, . _ -)")
+    bench.add_argument(
+        "--cta-tile-q",
+        type=int,
+        default=None,
+        help="force the plans' query tile (16, 64 or 128; default: each plan's own choice)",
+    )
+    bench.add_argument(
+        "--label", default=None, help="suffix of the result file names, e.g. a kernel variant (letters, digits, . _ -)"
+    )
 
     text = "print what would run on this machine and why (builds nothing unless --build)"
     doctor_parser = sub.add_parser("doctor", help=text, description=text[0].upper() + text[1:] + ".")
-    doctor_parser.add_argument("--build", action="store_true",
-                               help="on a GPU: build (or verify) and load the kernels, then report them")
+    doctor_parser.add_argument(
+        "--build", action="store_true", help="on a GPU: build (or verify) and load the kernels, then report them"
+    )
     return parser
 
 
@@ -84,8 +104,9 @@ def bench(args: argparse.Namespace) -> int:
             print(f"pagedwindow bench: unknown {what}(s) {unknown}; known: {', '.join(known)}", file=sys.stderr)
             return EXIT_USAGE
     if args.cta_tile_q is not None and args.cta_tile_q not in SUPPORTED_CTA_TILE_Q:
-        print(f"pagedwindow bench: --cta-tile-q {args.cta_tile_q} is not one of {SUPPORTED_CTA_TILE_Q}",
-              file=sys.stderr)
+        print(
+            f"pagedwindow bench: --cta-tile-q {args.cta_tile_q} is not one of {SUPPORTED_CTA_TILE_Q}", file=sys.stderr
+        )
         return EXIT_USAGE
     out = check_out_dir(args.out)
     if not torch.cuda.is_available():
@@ -96,8 +117,15 @@ def bench(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"pagedwindow bench: output directory {out}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
-    return run_bench(out=args.out, workloads=args.workloads, systems=args.systems, sweep=args.sweep,
-                     quick=args.quick, cta_tile_q=args.cta_tile_q, label=args.label)
+    return run_bench(
+        out=args.out,
+        workloads=args.workloads,
+        systems=args.systems,
+        sweep=args.sweep,
+        quick=args.quick,
+        cta_tile_q=args.cta_tile_q,
+        label=args.label,
+    )
 
 
 def doctor(*, build_kernels: bool = False) -> int:
@@ -117,8 +145,9 @@ def doctor(*, build_kernels: bool = False) -> int:
         from . import cuda as cuda_backend
         from .cuda import build, ops
     except (ImportError, OSError) as exc:
-        print(f"CUDA backend: cannot be imported ({type(exc).__name__}: {exc}); backend='auto' runs the PyTorch "
-              "reference")
+        print(
+            f"CUDA backend: cannot be imported ({type(exc).__name__}: {exc}); backend='auto' runs the PyTorch reference"
+        )
         return 0
     try:
         nvcc = build.find_nvcc()
@@ -177,8 +206,7 @@ def doctor(*, build_kernels: bool = False) -> int:
     if library is None:
         print(f"kernel library: not built yet (or damaged); the first CUDA call builds it into {entry}")
         return 0
-    print(f"kernel library: {library} (built and verified; backend='auto' runs the CUDA kernels on bf16 "
-          f"head_dim 256)")
+    print(f"kernel library: {library} (built and verified; backend='auto' runs the CUDA kernels on bf16 head_dim 256)")
     from .layout import PagedKvLayout, checked_paged_geometry
 
     for page_size in (16, 5):  # the K/V copy path depends on the pool: one that allows bulk copies, one that not

@@ -62,8 +62,9 @@ def int_array(what: str, values) -> np.ndarray:
         try:
             return values.detach().cpu().numpy()
         except (RuntimeError, NotImplementedError, TypeError) as exc:
-            raise PagedWindowError(f"{what}: cannot read a {values.device} tensor of dtype {values.dtype} "
-                                   f"({type(exc).__name__})") from None
+            raise PagedWindowError(
+                f"{what}: cannot read a {values.device} tensor of dtype {values.dtype} ({type(exc).__name__})"
+            ) from None
     if isinstance(values, np.ndarray):
         if values.ndim != 1:
             raise PagedWindowError(f"{what} must be one-dimensional, got shape {values.shape}")

@@ -100,8 +100,16 @@ class PagedKvState:
     layers: per model layer, ``(num_kv_heads, head_dim)``. backend: passed to both pagedwindow calls.
     """
 
-    def __init__(self, layers, *, page_size: int = 16, backend: str = "auto", seed: int = 0,
-                 initial_pages: int = 64, poison: bool = True):
+    def __init__(
+        self,
+        layers,
+        *,
+        page_size: int = 16,
+        backend: str = "auto",
+        seed: int = 0,
+        initial_pages: int = 64,
+        poison: bool = True,
+    ):
         self.page_size = int(page_size)
         if self.page_size < 1:
             raise PagedWindowError(f"page_size = {page_size} must be >= 1")
@@ -183,8 +191,7 @@ class PagedKvState:
             for group in self._groups.values():
                 self._resize_pool(group)
         elif (dtype, device) != (self.dtype, self.device):
-            raise PagedWindowError(
-                f"paged state holds {self.dtype} on {self.device}, got K/V in {dtype} on {device}")
+            raise PagedWindowError(f"paged state holds {self.dtype} on {self.device}, got K/V in {dtype} on {device}")
 
     # ----------------------------------------------------------------------------------------------------------
     def begin_step(self, seq_lens) -> StepInfo:
@@ -212,8 +219,12 @@ class PagedKvState:
         return self.step
 
     def _check_step_complete(self) -> None:
-        if self.step is not None and self.step.total_tokens > 0 and self._attended \
-                and len(self._attended) != self.num_layers:
+        if (
+            self.step is not None
+            and self.step.total_tokens > 0
+            and self._attended
+            and len(self._attended) != self.num_layers
+        ):
             missing = sorted(set(range(self.num_layers)) - self._attended)
             raise PagedWindowError(f"step {self.step.index}: layers {missing} never attended")
 
@@ -227,8 +238,15 @@ class PagedKvState:
             page_lists = [list(self.pages[i]) for i in act]
             lasts = [k - (len(p) - 1) * self.page_size for k, p in zip(kv, page_lists)]
             self._plans[key] = PrefillPagedPlan.batch(
-                page_lists, lasts, [step.start[i] for i in act], [step.seq[i] for i in act],
-                num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, page_size=self.page_size)
+                page_lists,
+                lasts,
+                [step.start[i] for i in act],
+                [step.seq[i] for i in act],
+                num_qo_heads=num_qo_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                page_size=self.page_size,
+            )
             self.plans_built += 1
         return self._plans[key]
 
@@ -237,8 +255,9 @@ class PagedKvState:
             raise PagedWindowError("paged state: no step begun (call begin_step)")
         return self.step
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float,
-               window_left: int) -> torch.Tensor:
+    def attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float, window_left: int
+    ) -> torch.Tensor:
         """Append this step's new K/V of ``layer`` and attend: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` with the
         active requests' rows concatenated in request order (T = step total). Returns ``[T, Hq, D]``."""
         step = self._require_step()
@@ -253,7 +272,8 @@ class PagedKvState:
             raise PagedWindowError(f"attend: layer {layer} k/v {tuple(k.shape)} must be [T, {hkv}, {d}]")
         if q.shape[0] != step.total_tokens or k.shape[0] != step.total_tokens or v.shape[0] != step.total_tokens:
             raise PagedWindowError(
-                f"attend: layer {layer} got {q.shape[0]} q / {k.shape[0]} k rows for a step of {step.total_tokens}")
+                f"attend: layer {layer} got {q.shape[0]} q / {k.shape[0]} k rows for a step of {step.total_tokens}"
+            )
         self._attended.add(layer)
         self.attend_calls += 1
         if step.total_tokens == 0:
@@ -264,13 +284,19 @@ class PagedKvState:
         local = group.local(layer)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         append_paged_kv(k, v, group.pool, group.layout, local, plan, backend=self.backend)
-        return batch_prefill_paged_window(q, group.pool, group.layout, local, plan, sm_scale=sm_scale,
-                                          window_left=window_left, backend=self.backend)
+        return batch_prefill_paged_window(
+            q, group.pool, group.layout, local, plan, sm_scale=sm_scale, window_left=window_left, backend=self.backend
+        )
 
     def describe(self) -> dict:
         return {
-            "batch_size": self.batch_size, "kv_lens": list(self.kv_lens), "page_size": self.page_size,
-            "num_pages": self.num_pages, "pages": [list(p) for p in self.pages],
+            "batch_size": self.batch_size,
+            "kv_lens": list(self.kv_lens),
+            "page_size": self.page_size,
+            "num_pages": self.num_pages,
+            "pages": [list(p) for p in self.pages],
             "groups": {f"hkv{h}_d{d}": g.layers for (h, d), g in self._groups.items()},
-            "steps": self._step_count, "plans_built": self.plans_built, "attend_calls": self.attend_calls,
+            "steps": self._step_count,
+            "plans_built": self.plans_built,
+            "attend_calls": self.attend_calls,
         }

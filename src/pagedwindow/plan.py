@@ -49,8 +49,14 @@ import torch
 from .errors import INT32_MAX, PagedWindowError, checked_i32, checked_i32_array, int_array
 from .tiles import SUPPORTED_CTA_TILE_Q, tile_for_batch, tile_for_capacity
 
-__all__ = ["PlanArrays", "PlanCapacity", "PrefillPagedPlan", "SUPPORTED_CTA_TILE_Q", "check_head_relation",
-           "release_pooled_plan_buffers"]
+__all__ = [
+    "PlanArrays",
+    "PlanCapacity",
+    "PrefillPagedPlan",
+    "SUPPORTED_CTA_TILE_Q",
+    "check_head_relation",
+    "release_pooled_plan_buffers",
+]
 
 PLAN_BUFFER_MAX_ENTRIES = 1 << 28
 """A plan's device buffer holds at most 2**28 int32 entries (1 GiB); larger capacities are refused before
@@ -103,14 +109,17 @@ class PlanCapacity:
     @staticmethod
     def checked(what: str, max_total_tokens, max_total_pages, max_batch, max_tiles) -> PlanCapacity:
         """A capacity whose every bound is a positive int32 and whose buffer fits ``PLAN_BUFFER_MAX_ENTRIES``."""
-        cap = PlanCapacity(checked_i32(f"{what}max_total_tokens", max_total_tokens, minimum=1),
-                           checked_i32(f"{what}max_total_pages", max_total_pages, minimum=1),
-                           checked_i32(f"{what}max_batch", max_batch, minimum=1),
-                           checked_i32(f"{what}max_tiles", max_tiles, minimum=1))
+        cap = PlanCapacity(
+            checked_i32(f"{what}max_total_tokens", max_total_tokens, minimum=1),
+            checked_i32(f"{what}max_total_pages", max_total_pages, minimum=1),
+            checked_i32(f"{what}max_batch", max_batch, minimum=1),
+            checked_i32(f"{what}max_tiles", max_tiles, minimum=1),
+        )
         if cap.buffer_entries > PLAN_BUFFER_MAX_ENTRIES:
             raise PagedWindowError(
                 f"{what}plan capacity {cap} needs a buffer of {cap.buffer_entries} int32 entries "
-                f"({cap.buffer_entries * 4 / 2**20:.0f} MiB), past the limit {PLAN_BUFFER_MAX_ENTRIES} (1 GiB)")
+                f"({cap.buffer_entries * 4 / 2**20:.0f} MiB), past the limit {PLAN_BUFFER_MAX_ENTRIES} (1 GiB)"
+            )
         return cap
 
 
@@ -145,10 +154,12 @@ class _PlanState(NamedTuple):
     num_tiles: int
 
     def fits(self, cap: PlanCapacity) -> None:
-        for name, value, bound in (("total_tokens", self.total_tokens, cap.max_total_tokens),
-                                   ("total_pages", self.total_pages, cap.max_total_pages),
-                                   ("batch_size", self.batch_size, cap.max_batch),
-                                   ("num_tiles", self.num_tiles, cap.max_tiles)):
+        for name, value, bound in (
+            ("total_tokens", self.total_tokens, cap.max_total_tokens),
+            ("total_pages", self.total_pages, cap.max_total_pages),
+            ("batch_size", self.batch_size, cap.max_batch),
+            ("num_tiles", self.num_tiles, cap.max_tiles),
+        ):
             if value > bound:
                 raise PagedWindowError(f"update: {name} = {value} exceeds the plan's capacity {bound}")
 
@@ -166,6 +177,7 @@ class _PlanState(NamedTuple):
 
 # -- validation: CSR arrays in, a _PlanState out ----------------------------------------------------------------
 
+
 def _first(mask: np.ndarray) -> int:
     return int(np.flatnonzero(mask)[0])
 
@@ -181,19 +193,30 @@ def _check_indptr(name: str, indptr: np.ndarray, batch: int, item: str, minimum:
     low = int(counts.min())
     if low < 0:
         i = _first(counts < 0)
-        raise PagedWindowError(f"{name} decreases at request {i}: {name}[{i}] = {int(indptr[i])} > "
-                               f"{name}[{i + 1}] = {int(indptr[i + 1])} (negative {item})")
+        raise PagedWindowError(
+            f"{name} decreases at request {i}: {name}[{i}] = {int(indptr[i])} > "
+            f"{name}[{i + 1}] = {int(indptr[i + 1])} (negative {item})"
+        )
     if low < minimum:
         i = _first(counts < minimum)
-        raise PagedWindowError(f"request {i} has no pages ({name}[{i}] = {name}[{i + 1}] = {int(indptr[i])}); "
-                               f"every request needs at least one page")
+        raise PagedWindowError(
+            f"request {i} has no pages ({name}[{i}] = {name}[{i + 1}] = {int(indptr[i])}); "
+            f"every request needs at least one page"
+        )
     if indptr[-1] > INT32_MAX:
         raise PagedWindowError(f"{name}[-1] = {int(indptr[-1])} does not fit in int32 (bound {INT32_MAX})")
     return counts
 
 
-def _check_shared_pages(pages: np.ndarray, top: int, page_indptr: np.ndarray, start: np.ndarray,
-                        kv_len: np.ndarray, page_size: int, page_name) -> None:
+def _check_shared_pages(
+    pages: np.ndarray,
+    top: int,
+    page_indptr: np.ndarray,
+    start: np.ndarray,
+    kv_len: np.ndarray,
+    page_size: int,
+    page_name,
+) -> None:
     """No page id twice in one request; across requests, no new row in a slot another request writes or reads
     as cached prefix. Only entries whose page id appears more than once are examined."""
     total = len(pages)
@@ -225,9 +248,11 @@ def _check_shared_pages(pages: np.ndarray, top: int, page_indptr: np.ndarray, st
     if repeat.any():
         j = _first(repeat)
         r = int(request[j])
-        raise PagedWindowError(f"page id {int(page[j])} appears more than once in request {r}'s pages "
-                               f"({page_name(int(entry[j]), page_indptr)} and "
-                               f"{page_name(int(entry[j + 1]), page_indptr)})")
+        raise PagedWindowError(
+            f"page id {int(page[j])} appears more than once in request {r}'s pages "
+            f"({page_name(int(entry[j]), page_indptr)} and "
+            f"{page_name(int(entry[j + 1]), page_indptr)})"
+        )
     base = (entry - page_indptr[request]) * page_size  # [n] KV position of each entry's slot 0
     first_new = np.clip(start[request] - base, 0, page_size)  # [n] slots [0, first_new) are cached prefix
     end_new = np.clip(kv_len[request] - base, 0, page_size)  # [n] slots [first_new, end_new) are new rows
@@ -243,7 +268,8 @@ def _check_shared_pages(pages: np.ndarray, top: int, page_indptr: np.ndarray, st
         reader = _first((page == page[j]) & (first_new > first_new[j]))
         raise PagedWindowError(
             f"request {int(request[j])} writes new rows into page {int(page[j])} slot {int(first_new[j])}, which "
-            f"request {int(request[reader])} reads as cached prefix (slots 0..{int(first_new[reader]) - 1})")
+            f"request {int(request[reader])} reads as cached prefix (slots 0..{int(first_new[reader]) - 1})"
+        )
     # write vs write: sorted by (page, first slot), any overlap shows between neighbours
     w = np.flatnonzero(writes)
     if len(w) > 1:
@@ -252,8 +278,10 @@ def _check_shared_pages(pages: np.ndarray, top: int, page_indptr: np.ndarray, st
         if clash.any():
             j = _first(clash)
             a, b = w[j], w[j + 1]
-            raise PagedWindowError(f"requests {int(request[a])} and {int(request[b])} both write page "
-                                   f"{int(page[a])} slot {int(first_new[b])}")
+            raise PagedWindowError(
+                f"requests {int(request[a])} and {int(request[b])} both write page "
+                f"{int(page[a])} slot {int(first_new[b])}"
+            )
 
 
 def _tiles(seq: np.ndarray, group: int, tile: int, total_tokens: int) -> tuple[np.ndarray, np.ndarray]:
@@ -309,8 +337,13 @@ class _Heads:
         if heads is not None:
             return heads
         group = check_head_relation(num_qo_heads, num_kv_heads)  # first: nothing has divided yet
-        heads = _Heads(int(num_qo_heads), int(num_kv_heads), group, checked_i32("head_dim", head_dim, minimum=1),
-                       checked_i32("page_size", page_size, minimum=1))
+        heads = _Heads(
+            int(num_qo_heads),
+            int(num_kv_heads),
+            group,
+            checked_i32("head_dim", head_dim, minimum=1),
+            checked_i32("page_size", page_size, minimum=1),
+        )
         if plain and len(_checked_heads) < 64:
             _checked_heads[key] = heads
         return heads
@@ -337,12 +370,20 @@ def _scatter_live(state: _PlanState, cap: PlanCapacity, out: np.ndarray) -> None
     """Write each segment of ``state.packed`` to its offset in a capacity-sized buffer ``out`` [entries]."""
     live = PlanCapacity(0, state.total_pages, state.batch_size, state.num_tiles)
     for src, dst, n in zip(live.segment_offsets(), cap.segment_offsets(), live.segment_sizes()):
-        out[dst: dst + n] = state.packed[src: src + n]
+        out[dst : dst + n] = state.packed[src : src + n]
 
 
-def _state_from_csr(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np.ndarray,
-                    last_page_len: np.ndarray, heads: _Heads, tile: int | None, device,
-                    page_name=_csr_page_name, given=()) -> tuple[_PlanState, str]:
+def _state_from_csr(
+    qo_indptr: np.ndarray,
+    kv_indptr: np.ndarray,
+    kv_indices: np.ndarray,
+    last_page_len: np.ndarray,
+    heads: _Heads,
+    tile: int | None,
+    device,
+    page_name=_csr_page_name,
+    given=(),
+) -> tuple[_PlanState, str]:
     """Validate CSR arrays (any integer dtype) and derive the plan; ``tile`` None asks the policy. Returns
     (state, tile reason). ``page_name(flat index, kv_indptr)`` names a page id in error messages. ``given``: the
     caller's objects the arrays were read from (CPU tensors hand the compiled pass their addresses cheaply).
@@ -385,8 +426,7 @@ def _state_from_csr(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np
     min_last, max_last = int(last.min()), int(last.max())
     if min_last < 1 or max_last > page_size:
         i = _first((last < 1) | (last > page_size))
-        raise PagedWindowError(f"last_page_len[{i}] = {int(last[i])} is outside 1..{page_size} "
-                               f"(page_size {page_size})")
+        raise PagedWindowError(f"last_page_len[{i}] = {int(last[i])} is outside 1..{page_size} (page_size {page_size})")
     kv_len = (num_pages - 1) * page_size + last  # [batch] int64
     if total_pages * page_size > INT32_MAX and kv_len.max() > INT32_MAX:  # every kv_len <= total_pages * page_size
         i = _first(kv_len > INT32_MAX)
@@ -394,8 +434,10 @@ def _state_from_csr(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np
     start = kv_len - seq  # [batch]
     if start.min() < 0:
         i = _first(start < 0)
-        raise PagedWindowError(f"request {i} has seq_len {int(seq[i])} new rows but only kv_len {int(kv_len[i])} "
-                               f"keys (seq_len must be <= kv_len)")
+        raise PagedWindowError(
+            f"request {i} has seq_len {int(seq[i])} new rows but only kv_len {int(kv_len[i])} "
+            f"keys (seq_len must be <= kv_len)"
+        )
     checked_i32("packed rows (total_tokens * group)", total_tokens * heads.group)
     _check_shared_pages(pages, high, indptr[1], start, kv_len, page_size, page_name)
     reason = "explicit"
@@ -408,32 +450,64 @@ def _state_from_csr(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np
     o = _packed_offsets(batch, num_tiles)
     packed = np.empty(o[6] + total_pages, dtype=np.int32)  # [entries]
     packed[:3] = (batch, total_tokens, num_tiles)
-    packed[o[1]: o[2]] = indptr[1]
-    packed[o[2]: o[3]] = last
-    packed[o[3]: o[4]] = indptr[0]
-    packed[o[4]: o[5]] = request_indices
-    packed[o[5]: o[6]] = qo_tile_indices
-    packed[o[6]:] = pages
-    state = _state_of_block(heads, tile, packed, start.astype(np.int32), batch=batch, total_tokens=total_tokens,
-                            total_pages=total_pages, num_tiles=num_tiles, max_page_index=high,
-                            max_last_page_len=max_last)
+    packed[o[1] : o[2]] = indptr[1]
+    packed[o[2] : o[3]] = last
+    packed[o[3] : o[4]] = indptr[0]
+    packed[o[4] : o[5]] = request_indices
+    packed[o[5] : o[6]] = qo_tile_indices
+    packed[o[6] :] = pages
+    state = _state_of_block(
+        heads,
+        tile,
+        packed,
+        start.astype(np.int32),
+        batch=batch,
+        total_tokens=total_tokens,
+        total_pages=total_pages,
+        num_tiles=num_tiles,
+        max_page_index=high,
+        max_last_page_len=max_last,
+    )
     return state, reason
 
 
-def _state_of_block(heads: _Heads, tile: int, packed: np.ndarray, start_positions: np.ndarray, *, batch: int,
-                    total_tokens: int, total_pages: int, num_tiles: int, max_page_index: int,
-                    max_last_page_len: int) -> _PlanState:
+def _state_of_block(
+    heads: _Heads,
+    tile: int,
+    packed: np.ndarray,
+    start_positions: np.ndarray,
+    *,
+    batch: int,
+    total_tokens: int,
+    total_pages: int,
+    num_tiles: int,
+    max_page_index: int,
+    max_last_page_len: int,
+) -> _PlanState:
     """The state whose arrays are read-only views of ``packed`` (the block in buffer order, exactly full)."""
     o = _packed_offsets(batch, num_tiles)
     packed.flags.writeable = False  # views taken below are read-only too
     start_positions.flags.writeable = False
     return _PlanState(
-        num_qo_heads=heads.num_qo_heads, num_kv_heads=heads.num_kv_heads, head_dim=heads.head_dim,
-        page_size=heads.page_size, cta_tile_q=tile, packed=packed, page_indices=packed[o[6]:],
-        page_indptr=packed[o[1]: o[2]], last_page_len=packed[o[2]: o[3]], qo_indptr=packed[o[3]: o[4]],
-        request_indices=packed[o[4]: o[5]], qo_tile_indices=packed[o[5]: o[6]], start_positions=start_positions,
-        max_page_index=max_page_index, max_last_page_len=max_last_page_len, batch_size=batch,
-        total_tokens=total_tokens, total_pages=total_pages, num_tiles=num_tiles,
+        num_qo_heads=heads.num_qo_heads,
+        num_kv_heads=heads.num_kv_heads,
+        head_dim=heads.head_dim,
+        page_size=heads.page_size,
+        cta_tile_q=tile,
+        packed=packed,
+        page_indices=packed[o[6] :],
+        page_indptr=packed[o[1] : o[2]],
+        last_page_len=packed[o[2] : o[3]],
+        qo_indptr=packed[o[3] : o[4]],
+        request_indices=packed[o[4] : o[5]],
+        qo_tile_indices=packed[o[5] : o[6]],
+        start_positions=start_positions,
+        max_page_index=max_page_index,
+        max_last_page_len=max_last_page_len,
+        batch_size=batch,
+        total_tokens=total_tokens,
+        total_pages=total_pages,
+        num_tiles=num_tiles,
     )
 
 
@@ -479,17 +553,41 @@ def _compiled_pass(lib, arrays, given, heads: _Heads, tile: int | None, device) 
     out = np.empty(5 + batch + bound, dtype=np.int32)  # [5 + batch + bound]: scalars, start positions, block
     address = out.ctypes.data
     given = given or (None,) * 4
-    status = lib.pw_plan_pack(_address(qo_indptr, given[0]), flags[0], _address(kv_indptr, given[1]), flags[1],
-                              _address(kv_indices, given[2]), flags[2], len(kv_indices),
-                              _address(last_page_len, given[3]), flags[3], batch, heads.page_size, group, tile,
-                              address + 4 * (5 + batch), bound, address + 20, address)
+    status = lib.pw_plan_pack(
+        _address(qo_indptr, given[0]),
+        flags[0],
+        _address(kv_indptr, given[1]),
+        flags[1],
+        _address(kv_indices, given[2]),
+        flags[2],
+        len(kv_indices),
+        _address(last_page_len, given[3]),
+        flags[3],
+        batch,
+        heads.page_size,
+        group,
+        tile,
+        address + 4 * (5 + batch),
+        bound,
+        address + 20,
+        address,
+    )
     if status != 0:
         return None
     high, max_last, total_tokens, total_pages, num_tiles = out[:5].tolist()
     entries = _packed_offsets(batch, num_tiles)[6] + total_pages
-    state = _state_of_block(heads, tile, out[5 + batch: 5 + batch + entries], out[5: 5 + batch], batch=batch,
-                            total_tokens=total_tokens, total_pages=total_pages, num_tiles=num_tiles,
-                            max_page_index=high, max_last_page_len=max_last)
+    state = _state_of_block(
+        heads,
+        tile,
+        out[5 + batch : 5 + batch + entries],
+        out[5 : 5 + batch],
+        batch=batch,
+        total_tokens=total_tokens,
+        total_pages=total_pages,
+        num_tiles=num_tiles,
+        max_page_index=high,
+        max_last_page_len=max_last,
+    )
     return state, reason
 
 
@@ -504,24 +602,32 @@ def _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, 
     if batch == 0:
         raise PagedWindowError("a plan needs at least one request; seq_lens is empty")
     if isinstance(page_indices, (str, bytes)) or not isinstance(page_indices, (Sequence, np.ndarray)):
-        raise PagedWindowError(f"page_indices must be a sequence of per-request page lists, got "
-                               f"{type(page_indices).__name__}")
+        raise PagedWindowError(
+            f"page_indices must be a sequence of per-request page lists, got {type(page_indices).__name__}"
+        )
     starts = int_array("start_positions", start_positions)
     lasts = int_array("last_page_lens", last_page_lens)
-    for name, n in (("page_indices", len(page_indices)), ("last_page_lens", len(lasts)),
-                    ("start_positions", len(starts))):
+    for name, n in (
+        ("page_indices", len(page_indices)),
+        ("last_page_lens", len(lasts)),
+        ("start_positions", len(starts)),
+    ):
         if n != batch:
             raise PagedWindowError(f"{name} has {n} entries but seq_lens has {batch} (one per request)")
     start = checked_i32_array("start_positions", starts, minimum=0)
     last = checked_i32_array("last_page_lens", lasts).astype(np.int64)
-    per_request = [int_array(f"page_indices[{i}]", p).astype(np.int64, copy=False)  # a loop over requests
-                   for i, p in enumerate(page_indices)]
+    per_request = [
+        int_array(f"page_indices[{i}]", p).astype(np.int64, copy=False)  # a loop over requests
+        for i, p in enumerate(page_indices)
+    ]
     counts = np.fromiter((len(p) for p in per_request), dtype=np.int64, count=batch)  # [batch]
     kv_len = start.astype(np.int64) + seq  # [batch]
     if kv_len.max() > INT32_MAX:
         i = _first(kv_len > INT32_MAX)
-        raise PagedWindowError(f"kv_len of request {i} (start {int(start[i])} + seq {int(seq[i])}) = "
-                               f"{int(kv_len[i])} does not fit in int32 (bound {INT32_MAX})")
+        raise PagedWindowError(
+            f"kv_len of request {i} (start {int(start[i])} + seq {int(seq[i])}) = "
+            f"{int(kv_len[i])} does not fit in int32 (bound {INT32_MAX})"
+        )
     if counts.min() == 0:
         i = _first(counts == 0)
         raise PagedWindowError(f"page_indices[{i}] is empty; every request needs at least one page")
@@ -531,13 +637,17 @@ def _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, 
     need = -(-kv_len // page_size)  # [batch]
     if (counts != need).any():
         i = _first(counts != need)
-        raise PagedWindowError(f"request {i}: {int(counts[i])} pages do not cover kv_len {int(kv_len[i])} at "
-                               f"page_size {page_size} (needs exactly {int(need[i])})")
+        raise PagedWindowError(
+            f"request {i}: {int(counts[i])} pages do not cover kv_len {int(kv_len[i])} at "
+            f"page_size {page_size} (needs exactly {int(need[i])})"
+        )
     want_last = kv_len - (need - 1) * page_size  # [batch]
     if (last != want_last).any():
         i = _first(last != want_last)
-        raise PagedWindowError(f"last_page_lens[{i}] = {int(last[i])} disagrees with kv_len {int(kv_len[i])}: the "
-                               f"last page holds {int(want_last[i])} (bound 1..{page_size})")
+        raise PagedWindowError(
+            f"last_page_lens[{i}] = {int(last[i])} disagrees with kv_len {int(kv_len[i])}: the "
+            f"last page holds {int(want_last[i])} (bound 1..{page_size})"
+        )
     kv_indices = np.concatenate(per_request) if batch > 1 else per_request[0]  # [total_pages]
     kv_indptr = np.concatenate(([0], np.cumsum(counts)))  # [batch + 1]
     qo_indptr = np.concatenate(([0], np.cumsum(seq)))  # [batch + 1]
@@ -546,6 +656,7 @@ def _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, 
 
 # -- device mirrors ---------------------------------------------------------------------------------------------
 
+
 class _DeviceMirror:
     """A plan's int32 buffer on one GPU, its pinned staging twins, and the event of each one's upload.
 
@@ -553,8 +664,19 @@ class _DeviceMirror:
     plans of about its size; ``buffer`` is its first ``capacity.buffer_entries`` entries, the view the kernels
     read, at a fixed address for the plan's life."""
 
-    __slots__ = ("storage", "buffer", "stream", "staging", "staged", "events", "turn", "lib", "offsets",
-                 "event_handles", "__weakref__")
+    __slots__ = (
+        "storage",
+        "buffer",
+        "stream",
+        "staging",
+        "staged",
+        "events",
+        "turn",
+        "lib",
+        "offsets",
+        "event_handles",
+        "__weakref__",
+    )
 
     STAGING_BUFFERS = 2
     """Pinned staging buffers used in turn: an update waits only for the upload two updates back, so the host
@@ -567,8 +689,9 @@ class _DeviceMirror:
 
     def __init__(self, capacity: PlanCapacity, device: torch.device):
         # Never reallocated. Only live entries are ever read by the kernels, so neither buffer is zeroed.
-        self.storage = torch.empty(self.size_class(capacity.buffer_entries), dtype=torch.int32,
-                                   device=device)  # [size class]
+        self.storage = torch.empty(
+            self.size_class(capacity.buffer_entries), dtype=torch.int32, device=device
+        )  # [size class]
         self.stream = _current_raw_stream(device.index)  # the stream the storage was made on
         self.staging: list[torch.Tensor | None] = [None] * self.STAGING_BUFFERS  # pinned, made on first use
         self.turn = 0
@@ -603,8 +726,9 @@ class _DeviceMirror:
         self.turn = (turn + 1) % self.STAGING_BUFFERS
         staging = self.staging[turn]
         if staging is None:
-            staging = self.staging[turn] = torch.empty(len(self.storage), dtype=torch.int32,
-                                                       pin_memory=True)  # [size class] host
+            staging = self.staging[turn] = torch.empty(
+                len(self.storage), dtype=torch.int32, pin_memory=True
+            )  # [size class] host
         index = self.buffer.device.index
         if self.lib is not None:
             if index == _current_device():
@@ -636,15 +760,24 @@ class _DeviceMirror:
             with torch.cuda.device(index):
                 self._copy(staging, copies, event)
 
-    def _upload_compiled(self, turn: int, staging: torch.Tensor, state: _PlanState, cap: PlanCapacity,
-                         index: int) -> None:
+    def _upload_compiled(
+        self, turn: int, staging: torch.Tensor, state: _PlanState, cap: PlanCapacity, index: int
+    ) -> None:
         """The same upload in one call (``pw_plan_upload``, device ``index`` current): wait for the staging
         buffer's last copy, write the live segments into it, enqueue the copies, record the turn's event."""
-        sizes = np.array(PlanCapacity(0, state.total_pages, state.batch_size, state.num_tiles).segment_sizes(),
-                         dtype=np.int64)  # [7] the live segments
-        status = self.lib.pw_plan_upload(self.buffer.data_ptr(), staging.data_ptr(), state.packed.ctypes.data,
-                                         self.offsets.ctypes.data, sizes.ctypes.data, self.MAX_COPIED_GAP,
-                                         _current_raw_stream(index), self.event_handles.ctypes.data + 8 * turn)
+        sizes = np.array(
+            PlanCapacity(0, state.total_pages, state.batch_size, state.num_tiles).segment_sizes(), dtype=np.int64
+        )  # [7] the live segments
+        status = self.lib.pw_plan_upload(
+            self.buffer.data_ptr(),
+            staging.data_ptr(),
+            state.packed.ctypes.data,
+            self.offsets.ctypes.data,
+            sizes.ctypes.data,
+            self.MAX_COPIED_GAP,
+            _current_raw_stream(index),
+            self.event_handles.ctypes.data + 8 * turn,
+        )
         if status != 0:
             raise RuntimeError(f"plan upload to {self.buffer.device} failed: CUDA error {status}")
 
@@ -714,8 +847,9 @@ def _return_mirrors(mirrors: dict) -> None:
 
 
 _current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream",
-                              lambda index: torch.cuda.current_stream(index).cuda_stream)
+_current_raw_stream = getattr(
+    torch._C, "_cuda_getCurrentRawStream", lambda index: torch.cuda.current_stream(index).cuda_stream
+)
 
 
 def _destroy_events(lib, handles: np.ndarray) -> None:
@@ -754,8 +888,7 @@ class PrefillPagedPlan:
     buffer the kernels read (:meth:`device_buffer`) is only ever filled from validated state.
     """
 
-    def __init__(self, capacity: PlanCapacity, *, cta_tile_q: int | None, tile_reason: str = "explicit",
-                 device=None):
+    def __init__(self, capacity: PlanCapacity, *, cta_tile_q: int | None, tile_reason: str = "explicit", device=None):
         """Internal: use the constructors below. ``cta_tile_q`` None fixes the tile at the first commit."""
         self.capacity = capacity
         self._tile = cta_tile_q
@@ -773,8 +906,20 @@ class PrefillPagedPlan:
 
     # -- constructors -------------------------------------------------------------------------------------------
     @classmethod
-    def from_csr(cls, qo_indptr, kv_indptr, kv_indices, last_page_len, *, num_qo_heads, num_kv_heads, head_dim,
-                 page_size, cta_tile_q=None, device=None) -> PrefillPagedPlan:
+    def from_csr(
+        cls,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        last_page_len,
+        *,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        cta_tile_q=None,
+        device=None,
+    ) -> PrefillPagedPlan:
         """A plan sized exactly for FlashInfer-style CSR arrays (int32/int64 tensors on any device, numpy arrays
         or lists): ``qo_indptr [batch+1]``, ``kv_indptr [batch+1]``, ``kv_indices [>= kv_indptr[-1]]`` (page ids),
         ``last_page_len [batch]``. ``device`` (default: the device of any CUDA input) is the GPU the plan is for:
@@ -787,8 +932,20 @@ class PrefillPagedPlan:
         return cls._exact(state, reason, device)
 
     @classmethod
-    def batch(cls, page_indices, last_page_lens, start_positions, seq_lens, *, num_qo_heads, num_kv_heads,
-              head_dim, page_size, cta_tile_q=None, device=None) -> PrefillPagedPlan:
+    def batch(
+        cls,
+        page_indices,
+        last_page_lens,
+        start_positions,
+        seq_lens,
+        *,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        cta_tile_q=None,
+        device=None,
+    ) -> PrefillPagedPlan:
         """A plan sized exactly for these requests: ``page_indices[i]`` (a list, array or tensor) covers exactly
         ``start_positions[i] + seq_lens[i]`` keys and ``last_page_lens[i]`` is its last page's fill."""
         heads = _Heads.checked(num_qo_heads, num_kv_heads, head_dim, page_size)
@@ -804,15 +961,17 @@ class PrefillPagedPlan:
 
     @classmethod
     def _exact(cls, state: _PlanState, reason: str, device) -> PrefillPagedPlan:
-        capacity = PlanCapacity.checked("", max(state.total_tokens, 1), state.total_pages, state.batch_size,
-                                        max(state.num_tiles, 1))
+        capacity = PlanCapacity.checked(
+            "", max(state.total_tokens, 1), state.total_pages, state.batch_size, max(state.num_tiles, 1)
+        )
         plan = cls(capacity, cta_tile_q=state.cta_tile_q, tile_reason=reason, device=device)
         plan._commit(state)  # uploads to the mirror the constructor made for a CUDA device
         return plan
 
     @classmethod
-    def preallocated(cls, *, max_total_tokens, max_total_pages, max_batch, max_tiles, cta_tile_q=None,
-                     device=None) -> PrefillPagedPlan:
+    def preallocated(
+        cls, *, max_total_tokens, max_total_pages, max_batch, max_tiles, cta_tile_q=None, device=None
+    ) -> PrefillPagedPlan:
         """An empty plan with fixed capacity and a fixed tile (``cta_tile_q``, else the policy's pick for this
         capacity on ``device``); fill it with :meth:`update_csr` or :meth:`update`. Device arrays never move."""
         capacity = PlanCapacity.checked("", max_total_tokens, max_total_pages, max_batch, max_tiles)
@@ -822,8 +981,19 @@ class PrefillPagedPlan:
             tile, reason = _check_tile(cta_tile_q), "explicit"
         return cls(capacity, cta_tile_q=tile, tile_reason=reason, device=device)
 
-    def update_csr(self, qo_indptr, kv_indptr, kv_indices, last_page_len, *, num_qo_heads, num_kv_heads, head_dim,
-                   page_size, cta_tile_q=None) -> PrefillPagedPlan:
+    def update_csr(
+        self,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        last_page_len,
+        *,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        cta_tile_q=None,
+    ) -> PrefillPagedPlan:
         """Re-plan in place from CSR arrays (as :meth:`from_csr`): validate everything, capacity included, then
         commit. On error nothing changes. The layout uses the plan's fixed tile."""
         heads = _Heads.checked(num_qo_heads, num_kv_heads, head_dim, page_size)
@@ -834,8 +1004,19 @@ class PrefillPagedPlan:
         self._commit(state)
         return self
 
-    def update(self, page_indices, last_page_lens, start_positions, seq_lens, *, num_qo_heads, num_kv_heads,
-               head_dim, page_size, cta_tile_q=None) -> PrefillPagedPlan:
+    def update(
+        self,
+        page_indices,
+        last_page_lens,
+        start_positions,
+        seq_lens,
+        *,
+        num_qo_heads,
+        num_kv_heads,
+        head_dim,
+        page_size,
+        cta_tile_q=None,
+    ) -> PrefillPagedPlan:
         """Re-plan in place from per-request lists (as :meth:`batch`); validate, then commit."""
         heads = _Heads.checked(num_qo_heads, num_kv_heads, head_dim, page_size)
         tile = self._update_tile(cta_tile_q)
@@ -852,7 +1033,8 @@ class PrefillPagedPlan:
         if tile != self._tile:
             raise PagedWindowError(
                 f"update: cta_tile_q = {tile} differs from the plan's fixed tile {self._tile} (a captured launch "
-                f"uses that tile); build a new plan for another tile")
+                f"uses that tile); build a new plan for another tile"
+            )
         return tile
 
     # -- state --------------------------------------------------------------------------------------------------
@@ -983,23 +1165,29 @@ class PrefillPagedPlan:
     @property
     def pages(self) -> tuple[tuple[int, ...], ...]:
         """Each request's page ids."""
+
         def split(s):
             ids, bounds = s.page_indices.tolist(), s.page_indptr.tolist()
             return tuple(tuple(ids[a:b]) for a, b in zip(bounds, bounds[1:]))
+
         return self._tuple("pages", split)
 
     # -- printing and round trips -------------------------------------------------------------------------------
     def __repr__(self) -> str:
         cap = self.capacity
-        capacity = (f"capacity(tokens={cap.max_total_tokens}, pages={cap.max_total_pages}, "
-                    f"batch={cap.max_batch}, tiles={cap.max_tiles})")
+        capacity = (
+            f"capacity(tokens={cap.max_total_tokens}, pages={cap.max_total_pages}, "
+            f"batch={cap.max_batch}, tiles={cap.max_tiles})"
+        )
         if self._state is None:
             return f"PrefillPagedPlan(unfilled, cta_tile_q={self._tile}, {capacity})"
         p = self._state
-        return (f"PrefillPagedPlan(batch={p.batch_size}, total_tokens={p.total_tokens}, "
-                f"pages={p.total_pages}, tiles={p.num_tiles}, cta_tile_q={p.cta_tile_q}, "
-                f"heads={p.num_qo_heads}/{p.num_kv_heads}, head_dim={p.head_dim}, page_size={p.page_size}, "
-                f"max_page_index={p.max_page_index}, max_last_page_len={p.max_last_page_len}, {capacity})")
+        return (
+            f"PrefillPagedPlan(batch={p.batch_size}, total_tokens={p.total_tokens}, "
+            f"pages={p.total_pages}, tiles={p.num_tiles}, cta_tile_q={p.cta_tile_q}, "
+            f"heads={p.num_qo_heads}/{p.num_kv_heads}, head_dim={p.head_dim}, page_size={p.page_size}, "
+            f"max_page_index={p.max_page_index}, max_last_page_len={p.max_last_page_len}, {capacity})"
+        )
 
     def describe(self) -> str:
         """A multi-line summary: the plan, its tile and why, and one line per request."""
@@ -1010,37 +1198,61 @@ class PrefillPagedPlan:
         tiles = np.bincount(p.request_indices, minlength=p.batch_size).tolist()
         header = ("req", 4), ("start", 7), ("seq", 6), ("kv_len", 7), ("pages", 6), ("last", 5), ("tiles", 6)
         lines.append(" ".join(f"{name:>{width}}" for name, width in header) + "  page ids")
-        for i, (start, seq, kv, ids) in enumerate(zip(self.start_positions, self.seq_lens, self.kv_lens,
-                                                      self.pages)):
+        for i, (start, seq, kv, ids) in enumerate(zip(self.start_positions, self.seq_lens, self.kv_lens, self.pages)):
             shown = " ".join(map(str, ids[:8])) + (" …" if len(ids) > 8 else "")
-            lines.append(f"{i:>4} {start:>7} {seq:>6} {kv:>7} {len(ids):>6} {int(p.last_page_len[i]):>5} "
-                         f"{tiles[i]:>6}  {shown}")
+            lines.append(
+                f"{i:>4} {start:>7} {seq:>6} {kv:>7} {len(ids):>6} {int(p.last_page_len[i]):>5} {tiles[i]:>6}  {shown}"
+            )
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         """A JSON-ready dict: capacity, the fixed tile, the requests, and the derived arrays (for diffing)."""
         cap = self.capacity
         data: dict[str, Any]
-        data = {"capacity": {"max_total_tokens": cap.max_total_tokens, "max_total_pages": cap.max_total_pages,
-                             "max_batch": cap.max_batch, "max_tiles": cap.max_tiles},
-                "cta_tile_q": self._tile}
+        data = {
+            "capacity": {
+                "max_total_tokens": cap.max_total_tokens,
+                "max_total_pages": cap.max_total_pages,
+                "max_batch": cap.max_batch,
+                "max_tiles": cap.max_tiles,
+            },
+            "cta_tile_q": self._tile,
+        }
         if self._state is None:
             return data
         p = self._state
-        data.update({
-            "num_qo_heads": p.num_qo_heads, "num_kv_heads": p.num_kv_heads, "head_dim": p.head_dim,
-            "page_size": p.page_size,
-            "page_indices": [list(x) for x in self.pages], "last_page_lens": p.last_page_len.tolist(),
-            "start_positions": list(self.start_positions), "seq_lens": list(self.seq_lens),
-            "derived": {"page_indptr": p.page_indptr.tolist(), "qo_indptr": p.qo_indptr.tolist(),
-                        "request_indices": p.request_indices.tolist(),
-                        "qo_tile_indices": p.qo_tile_indices.tolist(),
-                        "max_page_index": p.max_page_index, "max_last_page_len": p.max_last_page_len},
-        })
+        data.update(
+            {
+                "num_qo_heads": p.num_qo_heads,
+                "num_kv_heads": p.num_kv_heads,
+                "head_dim": p.head_dim,
+                "page_size": p.page_size,
+                "page_indices": [list(x) for x in self.pages],
+                "last_page_lens": p.last_page_len.tolist(),
+                "start_positions": list(self.start_positions),
+                "seq_lens": list(self.seq_lens),
+                "derived": {
+                    "page_indptr": p.page_indptr.tolist(),
+                    "qo_indptr": p.qo_indptr.tolist(),
+                    "request_indices": p.request_indices.tolist(),
+                    "qo_tile_indices": p.qo_tile_indices.tolist(),
+                    "max_page_index": p.max_page_index,
+                    "max_last_page_len": p.max_last_page_len,
+                },
+            }
+        )
         return data
 
-    _REQUEST_KEYS = ("num_qo_heads", "num_kv_heads", "head_dim", "page_size", "page_indices", "last_page_lens",
-                     "start_positions", "seq_lens")
+    _REQUEST_KEYS = (
+        "num_qo_heads",
+        "num_kv_heads",
+        "head_dim",
+        "page_size",
+        "page_indices",
+        "last_page_lens",
+        "start_positions",
+        "seq_lens",
+    )
     _CAPACITY_KEYS = ("max_total_tokens", "max_total_pages", "max_batch", "max_tiles")
 
     @classmethod
@@ -1056,11 +1268,14 @@ class PrefillPagedPlan:
             raise PagedWindowError(f"from_dict: unknown key(s) {unknown}")
         capacity = data.get("capacity")
         if not isinstance(capacity, Mapping):
-            raise PagedWindowError(f"from_dict: 'capacity' must be a dict with keys {list(cls._CAPACITY_KEYS)}, "
-                                   f"got {type(capacity).__name__}")
+            raise PagedWindowError(
+                f"from_dict: 'capacity' must be a dict with keys {list(cls._CAPACITY_KEYS)}, "
+                f"got {type(capacity).__name__}"
+            )
         if set(capacity) != set(cls._CAPACITY_KEYS):
-            raise PagedWindowError(f"from_dict: 'capacity' has keys {sorted(map(str, capacity))}; expected "
-                                   f"{sorted(cls._CAPACITY_KEYS)}")
+            raise PagedWindowError(
+                f"from_dict: 'capacity' has keys {sorted(map(str, capacity))}; expected {sorted(cls._CAPACITY_KEYS)}"
+            )
         present = [k for k in cls._REQUEST_KEYS if k in data]
         if present and len(present) != len(cls._REQUEST_KEYS):
             missing = [k for k in cls._REQUEST_KEYS if k not in data]
@@ -1070,13 +1285,21 @@ class PrefillPagedPlan:
         tile = data.get("cta_tile_q")
         try:
             checked = PlanCapacity.checked("capacity.", *(capacity[k] for k in cls._CAPACITY_KEYS))
-            plan = cls.preallocated(**{k: getattr(checked, k) for k in cls._CAPACITY_KEYS},
-                                    cta_tile_q=tile, device=device)
+            plan = cls.preallocated(
+                **{k: getattr(checked, k) for k in cls._CAPACITY_KEYS}, cta_tile_q=tile, device=device
+            )
             if not present:
                 return plan
-            plan.update(data["page_indices"], data["last_page_lens"], data["start_positions"], data["seq_lens"],
-                        num_qo_heads=data["num_qo_heads"], num_kv_heads=data["num_kv_heads"],
-                        head_dim=data["head_dim"], page_size=data["page_size"])
+            plan.update(
+                data["page_indices"],
+                data["last_page_lens"],
+                data["start_positions"],
+                data["seq_lens"],
+                num_qo_heads=data["num_qo_heads"],
+                num_kv_heads=data["num_kv_heads"],
+                head_dim=data["head_dim"],
+                page_size=data["page_size"],
+            )
         except PagedWindowError as exc:
             raise PagedWindowError(f"from_dict: {exc}") from None
         except (TypeError, ValueError, KeyError, OverflowError, AttributeError) as exc:
@@ -1097,8 +1320,12 @@ def _csr_arrays(qo_indptr, kv_indptr, kv_indices, last_page_len) -> _CsrArrays:
     host = _read_cuda_csr(given)
     if host is not None:
         return host
-    return (int_array("qo_indptr", qo_indptr), int_array("kv_indptr", kv_indptr),
-            int_array("kv_indices", kv_indices), int_array("last_page_len", last_page_len))
+    return (
+        int_array("qo_indptr", qo_indptr),
+        int_array("kv_indptr", kv_indptr),
+        int_array("kv_indices", kv_indices),
+        int_array("last_page_len", last_page_len),
+    )
 
 
 def _read_cuda_csr(given) -> _CsrArrays | None:
@@ -1109,8 +1336,7 @@ def _read_cuda_csr(given) -> _CsrArrays | None:
     if not (isinstance(first, torch.Tensor) and first.device.type == "cuda" and first.dtype in _CUDA_CSR_DTYPES):
         return None
     for t in given:
-        if not (isinstance(t, torch.Tensor) and t.device == first.device and t.dtype == first.dtype
-                and t.dim() == 1):
+        if not (isinstance(t, torch.Tensor) and t.device == first.device and t.dtype == first.dtype and t.dim() == 1):
             return None
     block = torch.cat([t.detach() for t in given]).cpu().numpy()  # [sum of lengths]
     ends = np.cumsum([len(t) for t in given])
@@ -1119,4 +1345,3 @@ def _read_cuda_csr(given) -> _CsrArrays | None:
 
 
 _CUDA_CSR_DTYPES = (torch.int32, torch.int64)
-

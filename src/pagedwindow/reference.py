@@ -20,7 +20,7 @@ def _layer_cache(pool: torch.Tensor, geometry: PagedGeometry, which: int, num_kv
     offset = geometry.k_offset if which == 0 else geometry.v_offset
     block = geometry.page_size * num_kv_heads * head_dim
     pages = pool.view(geometry.num_pages, geometry.page_stride)  # [num_pages, page_stride]
-    return pages[:, offset: offset + block].view(geometry.num_pages, geometry.page_size, num_kv_heads, head_dim)
+    return pages[:, offset : offset + block].view(geometry.num_pages, geometry.page_size, num_kv_heads, head_dim)
 
 
 def _slots(pages: torch.Tensor, page_size: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,9 +35,17 @@ def _request_pages(plan: PrefillPagedPlan, device) -> list[torch.Tensor]:
     return list(torch.split(ids, torch.diff(plan.page_indptr).tolist()))
 
 
-def batch_prefill_paged_window(q: torch.Tensor, pool: torch.Tensor, geometry: PagedGeometry, plan: PrefillPagedPlan,
-                               *, sm_scale: float, window_left: int, out: torch.Tensor,
-                               lse: torch.Tensor | None = None) -> None:
+def batch_prefill_paged_window(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    geometry: PagedGeometry,
+    plan: PrefillPagedPlan,
+    *,
+    sm_scale: float,
+    window_left: int,
+    out: torch.Tensor,
+    lse: torch.Tensor | None = None,
+) -> None:
     """Write ``out[:total_tokens]`` (and ``lse[:total_tokens]`` if given) for every request of ``plan``.
 
     q/out: ``[rows >= total_tokens, num_qo_heads, head_dim]``; lse: ``[rows >= total_tokens, num_qo_heads]``.
@@ -60,7 +68,7 @@ def batch_prefill_paged_window(q: torch.Tensor, pool: torch.Tensor, geometry: Pa
             page_ids, slots = _slots(request_pages[r], plan.page_size, k_lo, q_hi)
             keys = k_cache[page_ids, slots].to(compute)  # [m, hkv, d]
             values = v_cache[page_ids, slots].to(compute)  # [m, hkv, d]
-            rows = q[qo[r] + j0: qo[r] + j1].to(compute).view(j1 - j0, hkv, group, d)  # [n, hkv, g, d]
+            rows = q[qo[r] + j0 : qo[r] + j1].to(compute).view(j1 - j0, hkv, group, d)  # [n, hkv, g, d]
             logits = torch.einsum("nhgd,mhd->hgnm", rows, keys) * sm_scale  # [hkv, g, n, m]
             q_pos = torch.arange(q_lo, q_hi, device=pool.device)[:, None]  # [n, 1]
             k_pos = torch.arange(k_lo, q_hi, device=pool.device)[None, :]  # [1, m]
@@ -69,13 +77,14 @@ def batch_prefill_paged_window(q: torch.Tensor, pool: torch.Tensor, geometry: Pa
             row_lse = torch.logsumexp(logits, dim=-1)  # [hkv, g, n]
             probs = torch.exp(logits - row_lse[..., None])
             result = torch.einsum("hgnm,mhd->nhgd", probs, values).reshape(j1 - j0, hq, d)  # [n, hq, d]
-            out[qo[r] + j0: qo[r] + j1] = result.to(out.dtype)
+            out[qo[r] + j0 : qo[r] + j1] = result.to(out.dtype)
             if lse is not None:
-                lse[qo[r] + j0: qo[r] + j1] = row_lse.permute(2, 0, 1).reshape(j1 - j0, hq).to(lse.dtype)
+                lse[qo[r] + j0 : qo[r] + j1] = row_lse.permute(2, 0, 1).reshape(j1 - j0, hq).to(lse.dtype)
 
 
-def append_paged_kv(k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, geometry: PagedGeometry,
-                    plan: PrefillPagedPlan) -> None:
+def append_paged_kv(
+    k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, geometry: PagedGeometry, plan: PrefillPagedPlan
+) -> None:
     """Copy each request's new rows (positions ``start_i .. start_i + seq_i - 1``) into their pool slots.
 
     k/v: ``[rows >= total_tokens, num_kv_heads, head_dim]``, rows in request order (``qo_indptr``).
@@ -88,5 +97,5 @@ def append_paged_kv(k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, geomet
         if seq == 0:
             continue
         page_ids, slots = _slots(request_pages[r], plan.page_size, start, start + seq)
-        k_cache[page_ids, slots] = k[qo[r]: qo[r] + seq]
-        v_cache[page_ids, slots] = v[qo[r]: qo[r] + seq]
+        k_cache[page_ids, slots] = k[qo[r] : qo[r] + seq]
+        v_cache[page_ids, slots] = v[qo[r] : qo[r] + seq]

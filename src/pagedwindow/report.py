@@ -159,8 +159,10 @@ def plan_runs(data: dict, declared: dict, selected: list[str]) -> list[RunSpec]:
     everyone = set().union(*declared.values()) if declared else set()
     unknown = sorted(k for k in shared if k not in everyone)
     if unknown:
-        raise ReportUsageError(f"shared key(s) {unknown} are neither a notebook name ({sorted(declared)}) nor a "
-                               "parameter any notebook declares")
+        raise ReportUsageError(
+            f"shared key(s) {unknown} are neither a notebook name ({sorted(declared)}) nor a "
+            "parameter any notebook declares"
+        )
     runs = []
     for stem in selected:
         section = data.get(stem) or {}
@@ -168,8 +170,9 @@ def plan_runs(data: dict, declared: dict, selected: list[str]) -> list[RunSpec]:
             raise ReportUsageError(f"section {stem!r} must be a mapping of parameters")
         variants = section.get(VARIANTS_KEY)
         base = {k: v for k, v in section.items() if k != VARIANTS_KEY}
-        if variants is not None and (not isinstance(variants, dict) or not variants
-                                     or not all(isinstance(v, dict) for v in variants.values())):
+        if variants is not None and (
+            not isinstance(variants, dict) or not variants or not all(isinstance(v, dict) for v in variants.values())
+        ):
             raise ReportUsageError(f"{stem}.{VARIANTS_KEY} must map labels to mappings of parameters")
         for label, overrides in (variants or {None: {}}).items():
             if label is not None:  # the run's name becomes file and directory names in the report
@@ -177,8 +180,9 @@ def plan_runs(data: dict, declared: dict, selected: list[str]) -> list[RunSpec]:
             own = {**base, **overrides}
             bad = sorted(k for k in own if k not in declared[stem])
             if bad:
-                raise ReportUsageError(f"{stem}: parameter(s) {bad} are not declared by the notebook "
-                                       f"(declared: {sorted(declared[stem])})")
+                raise ReportUsageError(
+                    f"{stem}: parameter(s) {bad} are not declared by the notebook (declared: {sorted(declared[stem])})"
+                )
             params = {k: v for k, v in shared.items() if k in declared[stem]}
             params.update(own)
             runs.append(RunSpec(stem if label is None else f"{stem}-{label}", stem, params))
@@ -239,8 +243,15 @@ def execute_run(spec: RunSpec, notebook: Path, run_dir: Path, *, kernel_name: st
     started = time.perf_counter()
     error = ""
     try:
-        papermill.execute_notebook(str(notebook), str(executed), parameters=params, kernel_name=kernel_name,
-                                   progress_bar=progress, cwd=str(run_dir), log_output=False)
+        papermill.execute_notebook(
+            str(notebook),
+            str(executed),
+            parameters=params,
+            kernel_name=kernel_name,
+            progress_bar=progress,
+            cwd=str(run_dir),
+            log_output=False,
+        )
     except papermill.PapermillExecutionError as exc:
         error = f"{exc.ename}: {exc.evalue}"
     seconds = time.perf_counter() - started
@@ -258,8 +269,12 @@ def execute_run(spec: RunSpec, notebook: Path, run_dir: Path, *, kernel_name: st
 
 # -- what a report exercised -------------------------------------------------------------------------------------
 NO_KERNEL = "No CUDA kernel was exercised: every attention call ran the PyTorch reference."
-BACKEND_NAMES = {"cuda": "CUDA kernel", "reference": "PyTorch reference", "cuda+reference": "CUDA kernel and PyTorch "
-                 "reference (auto fell back for some calls)", "none": "no attention call"}
+BACKEND_NAMES = {
+    "cuda": "CUDA kernel",
+    "reference": "PyTorch reference",
+    "cuda+reference": "CUDA kernel and PyTorch reference (auto fell back for some calls)",
+    "none": "no attention call",
+}
 
 
 def git_commit(repo: Path | None) -> str | None:
@@ -272,8 +287,9 @@ def git_commit(repo: Path | None) -> str | None:
         return None
 
     def git(*args) -> str:
-        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True,
-                              timeout=30).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(repo), *args], capture_output=True, text=True, check=True, timeout=30
+        ).stdout.strip()
 
     try:
         if Path(git("rev-parse", "--show-toplevel")).resolve() != Path(repo).resolve():
@@ -297,12 +313,16 @@ def run_exercised(metrics: dict) -> dict:
     device = env.get("gpu") or ("CPU" if str(env.get("device", "")).startswith("cpu") else None)
     if backend == "none":
         device = None
-    out = {"backend": str(backend), "device": device,
-           "prefill_kernels": [KERNEL_NAMES.get(k, k) for k in kernels.get("prefill_kernels") or []],
-           "kv_copy_paths": list(kernels.get("kv_copy_paths") or [])}
+    out = {
+        "backend": str(backend),
+        "device": device,
+        "prefill_kernels": [KERNEL_NAMES.get(k, k) for k in kernels.get("prefill_kernels") or []],
+        "kv_copy_paths": list(kernels.get("kv_copy_paths") or []),
+    }
     if metrics.get("results_prefill_kernel"):  # notebook 04 reading results measured earlier
-        out["results_prefill_kernel"] = KERNEL_NAMES.get(metrics["results_prefill_kernel"],
-                                                         metrics["results_prefill_kernel"])
+        out["results_prefill_kernel"] = KERNEL_NAMES.get(
+            metrics["results_prefill_kernel"], metrics["results_prefill_kernel"]
+        )
     return out
 
 
@@ -326,8 +346,10 @@ def report_exercised(runs: list[tuple[str, dict]], commit: str | None) -> dict:
     kernels = sorted({k for _, e in runs if _ran_cuda(e["backend"]) for k in e["prefill_kernels"]})
     copy_paths = sorted({p for _, e in runs if _ran_cuda(e["backend"]) for p in e["kv_copy_paths"]})
     if cuda_runs:
-        statement = (f"The CUDA kernel ({_names(kernels)}; K/V copy path {_names(copy_paths)}) ran in "
-                     f"{len(cuda_runs)} of {len(runs)} runs on {_names(devices)}.")
+        statement = (
+            f"The CUDA kernel ({_names(kernels)}; K/V copy path {_names(copy_paths)}) ran in "
+            f"{len(cuda_runs)} of {len(runs)} runs on {_names(devices)}."
+        )
         if reference_runs:
             statement += f" The PyTorch reference ran in: {', '.join(reference_runs)}."
     else:
@@ -336,34 +358,71 @@ def report_exercised(runs: list[tuple[str, dict]], commit: str | None) -> dict:
         statement += f" No attention call in: {', '.join(idle_runs)}."
     if unknown:
         statement += f" Recorded no backend (did not finish?): {', '.join(unknown)}."
-    return {"cuda_kernel_exercised": bool(cuda_runs), "statement": statement,
-            "backends": {n: e["backend"] for n, e in runs}, "devices": devices, "prefill_kernels": kernels,
-            "kv_copy_paths": copy_paths, "commit": commit}
+    return {
+        "cuda_kernel_exercised": bool(cuda_runs),
+        "statement": statement,
+        "backends": {n: e["backend"] for n, e in runs},
+        "devices": devices,
+        "prefill_kernels": kernels,
+        "kv_copy_paths": copy_paths,
+        "commit": commit,
+    }
 
 
-BANNER_STYLE = {True: "background:#e5f5e0;border:1px solid #31a354",  # a CUDA kernel ran
-                False: "background:#fff7bc;border:1px solid #d95f0e"}
+BANNER_STYLE = {
+    True: "background:#e5f5e0;border:1px solid #31a354",  # a CUDA kernel ran
+    False: "background:#fff7bc;border:1px solid #d95f0e",
+}
 
 
-def banner_html(*, backend: str, device: str | None, kernels: list, copy_paths: list, commit: str | None,
-                statement: str | None = None, note: str | None = None) -> str:
+def banner_html(
+    *,
+    backend: str,
+    device: str | None,
+    kernels: list,
+    copy_paths: list,
+    commit: str | None,
+    statement: str | None = None,
+    note: str | None = None,
+) -> str:
     """The "what this exercised" box of the index and of every page."""
     ran = _ran_cuda(backend) if backend else False
     label = BACKEND_NAMES.get(backend, backend)
-    rows = [("backend that ran", label), ("device", device or "— (no attention call)"),
-            ("kernel variant", _names(kernels) if ran else "— (no CUDA kernel ran)"),
-            ("K/V copy path", _names(copy_paths) if ran else "—"), ("commit", commit or "— (not a git checkout)")]
-    cells = "".join(f"<tr><th style='text-align:left;padding-right:1em'>{html.escape(k)}</th>"
-                    f"<td>{html.escape(str(v))}</td></tr>" for k, v in rows)
+    rows = [
+        ("backend that ran", label),
+        ("device", device or "— (no attention call)"),
+        ("kernel variant", _names(kernels) if ran else "— (no CUDA kernel ran)"),
+        ("K/V copy path", _names(copy_paths) if ran else "—"),
+        ("commit", commit or "— (not a git checkout)"),
+    ]
+    cells = "".join(
+        f"<tr><th style='text-align:left;padding-right:1em'>{html.escape(k)}</th><td>{html.escape(str(v))}</td></tr>"
+        for k, v in rows
+    )
     lead = f"<p style='margin:0 0 .4em 0'><b>{html.escape(statement)}</b></p>" if statement else ""
     tail = f"<p style='margin:.4em 0 0 0;font-size:90%'>{html.escape(note)}</p>" if note else ""
-    return (f"<div class='pw-banner' style='{BANNER_STYLE[ran]};padding:.6em 1em;margin:.6em 0'>{lead}"
-            f"<table style='font-size:90%'>{cells}</table>{tail}</div>")
+    return (
+        f"<div class='pw-banner' style='{BANNER_STYLE[ran]};padding:.6em 1em;margin:.6em 0'>{lead}"
+        f"<table style='font-size:90%'>{cells}</table>{tail}</div>"
+    )
 
 
-GATE_KEYS = ("max_abs_err", "max_rel_err", "floor_max_abs_err", "tolerance", "limit", "worst_gate_value",
-             "worst_gate_limit", "gate_rule", "clear_steps", "steps", "teacher_forced_matches",
-             "free_running_matches", "first_unclear_step", "measured")
+GATE_KEYS = (
+    "max_abs_err",
+    "max_rel_err",
+    "floor_max_abs_err",
+    "tolerance",
+    "limit",
+    "worst_gate_value",
+    "worst_gate_limit",
+    "gate_rule",
+    "clear_steps",
+    "steps",
+    "teacher_forced_matches",
+    "free_running_matches",
+    "first_unclear_step",
+    "measured",
+)
 
 
 def gate_summary(metrics: dict) -> str:
@@ -399,8 +458,14 @@ def machine_paths(report_dir: Path, repo: Path | None) -> list[tuple[str, str]]:
     the prefixes)."""
     pairs = []
     sites = [(Path(p), "<site-packages>/") for p in sys.path if Path(p).name in ("site-packages", "dist-packages")]
-    for path, replacement in ((report_dir, ""), (repo, ""), (Path.home(), "~/"), (Path(sys.prefix), "<python>/"),
-                              (Path(sys.base_prefix), "<python>/"), *sites):
+    for path, replacement in (
+        (report_dir, ""),
+        (repo, ""),
+        (Path.home(), "~/"),
+        (Path(sys.prefix), "<python>/"),
+        (Path(sys.base_prefix), "<python>/"),
+        *sites,
+    ):
         if path is None:
             continue
         for form in {str(Path(path).absolute()), str(Path(path).resolve())}:
@@ -444,9 +509,11 @@ def page_header(result: RunResult, *, params_name: str, commit: str | None) -> s
     items = "".join(f"<li><code>{html.escape(str(f))}</code></li>" for f in failures)
     summary = gate_summary(result.metrics)
     if _ran_cuda(ex["backend"]):
-        statement = (f"This run exercised the CUDA kernel ({_names(ex['prefill_kernels'])}; K/V copy path "
-                     f"{_names(ex['kv_copy_paths'])})" + (", and the PyTorch reference where auto fell back."
-                                                          if "reference" in ex["backend"] else "."))
+        statement = (
+            f"This run exercised the CUDA kernel ({_names(ex['prefill_kernels'])}; K/V copy path "
+            f"{_names(ex['kv_copy_paths'])})"
+            + (", and the PyTorch reference where auto fell back." if "reference" in ex["backend"] else ".")
+        )
     elif ex["backend"] == "reference":
         statement = "No CUDA kernel was exercised in this run: every attention call ran the PyTorch reference."
     elif ex["backend"] == "none":
@@ -464,13 +531,27 @@ def page_header(result: RunResult, *, params_name: str, commit: str | None) -> s
         + (f"<p style='margin:.4em 0 0 0'>{html.escape(summary)}</p>" if summary else "")
         + (f"<ul style='margin:.4em 0 0 0'>{items}</ul>" if items else "")
         + "</div>"
-        + banner_html(backend=ex["backend"], device=ex["device"], kernels=ex["prefill_kernels"],
-                      copy_paths=ex["kv_copy_paths"], commit=commit, statement=statement, note=note)
-        + "</div>")
+        + banner_html(
+            backend=ex["backend"],
+            device=ex["device"],
+            kernels=ex["prefill_kernels"],
+            copy_paths=ex["kv_copy_paths"],
+            commit=commit,
+            statement=statement,
+            note=note,
+        )
+        + "</div>"
+    )
 
 
-def render_html(executed: Path, html_path: Path, *, header: str = "", title: str | None = None,
-                replacements: list[tuple[str, str]] = ()) -> Path:
+def render_html(
+    executed: Path,
+    html_path: Path,
+    *,
+    header: str = "",
+    title: str | None = None,
+    replacements: list[tuple[str, str]] = (),
+) -> Path:
     """The executed notebook as HTML without input cells or prompts; stderr streams (progress bars, warnings)
     are left out of the HTML (the executed .ipynb keeps them). ``header`` goes first in the body, ``title``
     (default: the notebook's first heading) into ``<title>``; ``replacements`` are scrubbed (:func:`scrub_paths`)."""
@@ -480,8 +561,11 @@ def render_html(executed: Path, html_path: Path, *, header: str = "", title: str
     nb = nbformat.read(str(executed), as_version=4)
     for cell in nb.cells:
         if cell.cell_type == "code":
-            cell.outputs = [o for o in cell.get("outputs", [])
-                            if not (o.get("output_type") == "stream" and o.get("name") == "stderr")]
+            cell.outputs = [
+                o
+                for o in cell.get("outputs", [])
+                if not (o.get("output_type") == "stream" and o.get("name") == "stderr")
+            ]
     exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
     body, _ = exporter.from_notebook_node(nb)
     title = title or notebook_title(nb) or executed.stem
@@ -522,18 +606,37 @@ def report_metrics(results: list[RunResult], *, params_name: str, params_path: s
     runs = [(r.spec.name, run_exercised(r.metrics)) for r in results]
     return {
         "passed": bool(results) and all(r.ok for r in results),
-        "params": params_name, "params_file": params_path,
+        "params": params_name,
+        "params_file": params_path,
         "generated": datetime.datetime.now().isoformat(timespec="seconds"),
-        "runs_passed": sum(r.ok for r in results), "runs_total": len(results),
+        "runs_passed": sum(r.ok for r in results),
+        "runs_total": len(results),
         "exercised": report_exercised(runs, commit),
-        "runs": [{"name": r.spec.name, "notebook": r.spec.notebook, "status": r.status,
-                  "seconds": round(r.seconds, 2), "message": r.message, "gate_summary": gate_summary(r.metrics),
-                  **ex} for r, (_, ex) in zip(results, runs)],
+        "runs": [
+            {
+                "name": r.spec.name,
+                "notebook": r.spec.notebook,
+                "status": r.status,
+                "seconds": round(r.seconds, 2),
+                "message": r.message,
+                "gate_summary": gate_summary(r.metrics),
+                **ex,
+            }
+            for r, (_, ex) in zip(results, runs)
+        ],
     }
 
 
-def write_index(report_dir: Path, results: list[RunResult], *, params_name: str, params_path: Path | str,
-                params_text: str, commit: str | None = None, replacements: list[tuple[str, str]] = ()) -> Path:
+def write_index(
+    report_dir: Path,
+    results: list[RunResult],
+    *,
+    params_name: str,
+    params_path: Path | str,
+    params_text: str,
+    commit: str | None = None,
+    replacements: list[tuple[str, str]] = (),
+) -> Path:
     """``report_dir/index.html``: what the report exercised, one row per run (status and gate summary, time,
     what it ran, links, headline metrics), failures spelled out, the parameter set and the environment."""
     import torch
@@ -542,41 +645,55 @@ def write_index(report_dir: Path, results: list[RunResult], *, params_name: str,
     rows = []
     for r in results:
         ex = run_exercised(r.metrics)
-        links = [f'<a href="{html.escape(r.spec.name)}.html">report</a>',
-                 f'<a href="{html.escape(r.spec.name)}/{html.escape(r.spec.name)}.ipynb">notebook</a>']
+        links = [
+            f'<a href="{html.escape(r.spec.name)}.html">report</a>',
+            f'<a href="{html.escape(r.spec.name)}/{html.escape(r.spec.name)}.ipynb">notebook</a>',
+        ]
         if r.metrics:
             links.append(f'<a href="{html.escape(r.spec.name)}/metrics.json">metrics.json</a>')
         links.append(f'<a href="{html.escape(r.spec.name)}/">artifacts</a>')
-        metrics = "".join(f"<tr><td>{html.escape(k)}</td><td>{_cell(v)}</td></tr>"
-                          for k, v in headline(r.metrics).items() if k != "backend")
+        metrics = "".join(
+            f"<tr><td>{html.escape(k)}</td><td>{_cell(v)}</td></tr>"
+            for k, v in headline(r.metrics).items()
+            if k != "backend"
+        )
         message = f"<div class='why'>{html.escape(r.message)}</div>" if r.message else ""
         summary = gate_summary(r.metrics)
         summary = f"<div class='why'>{html.escape(summary)}</div>" if summary else ""
         ran = html.escape(BACKEND_NAMES.get(ex["backend"], ex["backend"]))
         if _ran_cuda(ex["backend"]):
-            ran += (f"<br><small>{html.escape(_names(ex['prefill_kernels']))}; K/V copy "
-                    f"{html.escape(_names(ex['kv_copy_paths']))}</small>")
+            ran += (
+                f"<br><small>{html.escape(_names(ex['prefill_kernels']))}; K/V copy "
+                f"{html.escape(_names(ex['kv_copy_paths']))}</small>"
+            )
         rows.append(
             f"<tr style='background:{STATUS_STYLE.get(r.status, '#fff')}'>"
             f"<td><b>{html.escape(r.spec.name)}</b><br><small>{html.escape(r.spec.notebook)}.ipynb</small></td>"
             f"<td><b>{html.escape(r.label)}</b>{message}{summary}</td><td>{r.seconds:.1f} s</td>"
             f"<td>{ran}<br><small>{html.escape(ex['device'] or '—')}"
-            f"</small></td><td>{' · '.join(links)}</td><td><table class='m'>{metrics}</table></td></tr>")
+            f"</small></td><td>{' · '.join(links)}</td><td><table class='m'>{metrics}</table></td></tr>"
+        )
     passed = sum(r.ok for r in results)
-    verdict = ("all gates passed" if passed == len(results)
-               else f"{len(results) - passed} of {len(results)} runs FAILED")
+    verdict = "all gates passed" if passed == len(results) else f"{len(results) - passed} of {len(results)} runs FAILED"
     try:
         import transformers
 
         tf_version = transformers.__version__
     except ImportError:
         tf_version = "not installed"
-    env = (f"python {platform.python_version()} · torch {torch.__version__} · transformers {tf_version} · "
-           f"{'CUDA: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU only'}")
+    env = (
+        f"python {platform.python_version()} · torch {torch.__version__} · transformers {tf_version} · "
+        f"{'CUDA: ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU only'}"
+    )
     cuda = exercised["cuda_kernel_exercised"]
-    banner = banner_html(backend="cuda" if cuda else "reference", device=_names(exercised["devices"] or ["CPU"]),
-                         kernels=exercised["prefill_kernels"], copy_paths=exercised["kv_copy_paths"], commit=commit,
-                         statement=exercised["statement"])
+    banner = banner_html(
+        backend="cuda" if cuda else "reference",
+        device=_names(exercised["devices"] or ["CPU"]),
+        kernels=exercised["prefill_kernels"],
+        copy_paths=exercised["kv_copy_paths"],
+        commit=commit,
+        statement=exercised["statement"],
+    )
     page = f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>pagedwindow report — {html.escape(params_name)}</title>
 <style>
@@ -588,12 +705,12 @@ pre {{ background: #f6f6f6; padding: 1em; }}
 </style></head><body>
 <h1>pagedwindow report — <code>{html.escape(params_name)}</code></h1>
 <p><b>{html.escape(verdict)}</b> ({passed}/{len(results)} passed). Generated
-{html.escape(datetime.datetime.now().isoformat(timespec='seconds'))}. {html.escape(env)}.
+{html.escape(datetime.datetime.now().isoformat(timespec="seconds"))}. {html.escape(env)}.
 <a href="metrics.json">metrics.json</a></p>
 {banner}
 <table class="runs"><thead><tr><th>run</th><th>gate</th><th>time</th><th>ran</th><th>files</th>
 <th>headline metrics</th></tr></thead><tbody>
-{''.join(rows)}
+{"".join(rows)}
 </tbody></table>
 <h2>Parameter set <code>{html.escape(str(params_path))}</code></h2>
 <pre>{html.escape(params_text)}</pre>
@@ -620,9 +737,15 @@ def _select(requested: list[str] | None, available: list[str]) -> list[str]:
     return out
 
 
-def run_report(params: str = "default", out: str | os.PathLike | None = None, notebooks: list[str] | None = None,
-               *, notebooks_dir: str | os.PathLike | None = None, kernel_name: str = "python3",
-               progress: bool = True) -> int:
+def run_report(
+    params: str = "default",
+    out: str | os.PathLike | None = None,
+    notebooks: list[str] | None = None,
+    *,
+    notebooks_dir: str | os.PathLike | None = None,
+    kernel_name: str = "python3",
+    progress: bool = True,
+) -> int:
     """Run the chosen notebooks with a parameter set, render HTML, write ``index.html``; return the exit code.
 
     params: a set name in ``notebooks/params`` or a YAML path. out: the report directory (default
@@ -632,8 +755,10 @@ def run_report(params: str = "default", out: str | os.PathLike | None = None, no
     nb_dir = Path(notebooks_dir) if notebooks_dir is not None else default_notebooks_dir()
     missing = [m for m in ("papermill", "nbconvert", "yaml", "matplotlib") if importlib.util.find_spec(m) is None]
     if missing:
-        print(f"pagedwindow report: {', '.join(missing)} not installed: pip install 'pagedwindow[notebooks,hf]'",
-              file=sys.stderr)
+        print(
+            f"pagedwindow report: {', '.join(missing)} not installed: pip install 'pagedwindow[notebooks,hf]'",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     try:
         params_path = resolve_params(params, nb_dir)
@@ -665,33 +790,51 @@ def run_report(params: str = "default", out: str | os.PathLike | None = None, no
         for i, spec in enumerate(runs, 1):
             print(f"[{i}/{len(runs)}] {spec.name}", file=sys.stderr, flush=True)
             run_dir = report_dir / spec.name
-            result = execute_run(spec, nb_dir / f"{spec.notebook}.ipynb", run_dir, kernel_name=kernel_name,
-                                 progress=progress)
+            result = execute_run(
+                spec, nb_dir / f"{spec.notebook}.ipynb", run_dir, kernel_name=kernel_name, progress=progress
+            )
             executed = run_dir / f"{spec.name}.ipynb"
             for produced in (executed, run_dir / "metrics.json"):
                 scrub_file(produced, replacements)
             if executed.is_file():
-                render_html(executed, report_dir / f"{spec.name}.html", replacements=replacements,
-                            header=page_header(result, params_name=params_name, commit=commit),
-                            title=page_title(executed, spec.name, params_name))
+                render_html(
+                    executed,
+                    report_dir / f"{spec.name}.html",
+                    replacements=replacements,
+                    header=page_header(result, params_name=params_name, commit=commit),
+                    title=page_title(executed, spec.name, params_name),
+                )
             results.append(result)
-            print(f"[{i}/{len(runs)}] {spec.name}: {result.label} in {result.seconds:.1f} s"
-                  + (f" — {result.message}" if result.message else ""), file=sys.stderr, flush=True)
+            print(
+                f"[{i}/{len(runs)}] {spec.name}: {result.label} in {result.seconds:.1f} s"
+                + (f" — {result.message}" if result.message else ""),
+                file=sys.stderr,
+                flush=True,
+            )
     from .viz.artifacts import write_metrics
     from .viz.paths import display_path
 
     shown_params = display_path(params_path)
     summary = report_metrics(results, params_name=params_name, params_path=shown_params, commit=commit)
     scrub_file(write_metrics(report_dir, summary), replacements)
-    index = write_index(report_dir, results, params_name=params_name, params_path=shown_params,
-                        params_text=params_path.read_text(encoding="utf-8"), commit=commit,
-                        replacements=replacements)
+    index = write_index(
+        report_dir,
+        results,
+        params_name=params_name,
+        params_path=shown_params,
+        params_text=params_path.read_text(encoding="utf-8"),
+        commit=commit,
+        replacements=replacements,
+    )
     print(f"pagedwindow report: {summary['exercised']['statement']}", file=sys.stderr)
     failed = [r for r in results if not r.ok]
     print(f"pagedwindow report: {index}", file=sys.stderr)
     if failed:
-        print("pagedwindow report: FAILED gate(s): "
-              + "; ".join(f"{r.spec.name} ({r.status}: {r.message})" for r in failed), file=sys.stderr)
+        print(
+            "pagedwindow report: FAILED gate(s): "
+            + "; ".join(f"{r.spec.name} ({r.status}: {r.message})" for r in failed),
+            file=sys.stderr,
+        )
         return EXIT_GATE_FAILED
     print(f"pagedwindow report: all {len(results)} gate(s) passed", file=sys.stderr)
     return EXIT_OK

@@ -59,11 +59,15 @@ def check_sm_scale(sm_scale) -> float:
         raise PagedWindowError(f"sm_scale = {value!r} must be finite and > 0")
     rounded = round_to_fp32(value)
     if rounded > _FLT_MAX_OVER_LOG2E:
-        raise PagedWindowError(f"sm_scale = {value!r} is too large for fp32: sm_scale * log2(e) must stay finite "
-                               f"(bound {_FLT_MAX_OVER_LOG2E:.6g})")
+        raise PagedWindowError(
+            f"sm_scale = {value!r} is too large for fp32: sm_scale * log2(e) must stay finite "
+            f"(bound {_FLT_MAX_OVER_LOG2E:.6g})"
+        )
     if rounded < _FLT_MIN:
-        raise PagedWindowError(f"sm_scale = {value!r} is below fp32's smallest normal number {_FLT_MIN!r} (it "
-                               f"would round to a subnormal or 0)")
+        raise PagedWindowError(
+            f"sm_scale = {value!r} is below fp32's smallest normal number {_FLT_MIN!r} (it "
+            f"would round to a subnormal or 0)"
+        )
     _last_scale[:] = (value, rounded)
     return rounded
 

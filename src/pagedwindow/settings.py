@@ -33,41 +33,81 @@ class Setting:
 
 
 # -- the kernels: which one runs, how they are built, where they are cached -----------------------------------
-PREFILL_KERNEL = Setting("PAGEDWINDOW_PREFILL_KERNEL", "auto",
-                         "the prefill kernel: auto (wgmma on sm_90, mma.sync elsewhere), mma_sync or wgmma")
-NVCC_FLAGS = Setting("PAGEDWINDOW_NVCC_FLAGS", "(none)",
-                     "extra nvcc flags for every kernel build, split like a shell (e.g. a kernel variant's -D)")
+PREFILL_KERNEL = Setting(
+    "PAGEDWINDOW_PREFILL_KERNEL",
+    "auto",
+    "the prefill kernel: auto (wgmma on sm_90, mma.sync elsewhere), mma_sync or wgmma",
+)
+NVCC_FLAGS = Setting(
+    "PAGEDWINDOW_NVCC_FLAGS",
+    "(none)",
+    "extra nvcc flags for every kernel build, split like a shell (e.g. a kernel variant's -D)",
+)
 NVCC = Setting("PAGEDWINDOW_NVCC", "nvcc on PATH, else $CUDA_HOME/bin/nvcc", "the nvcc that builds the kernels")
-CUDA_HOME = Setting("CUDA_HOME", "$CUDA_PATH, else /usr/local/cuda",
-                    "the CUDA toolkit whose bin/nvcc is used when nvcc is not on PATH")
+CUDA_HOME = Setting(
+    "CUDA_HOME", "$CUDA_PATH, else /usr/local/cuda", "the CUDA toolkit whose bin/nvcc is used when nvcc is not on PATH"
+)
 CUDA_PATH = Setting("CUDA_PATH", "(unset)", "the CUDA toolkit, when CUDA_HOME is unset")
-KERNELS_DIR = Setting("PAGEDWINDOW_KERNELS_DIR", "the installed package's kernels/, else the repository's",
-                      "the directory the kernel sources are read from")
+KERNELS_DIR = Setting(
+    "PAGEDWINDOW_KERNELS_DIR",
+    "the installed package's kernels/, else the repository's",
+    "the directory the kernel sources are read from",
+)
 CACHE_DIR = Setting("PAGEDWINDOW_CACHE_DIR", "~/.cache/pagedwindow", "where built kernel libraries are cached")
-NVCC_PREPEND_FLAGS = Setting("NVCC_PREPEND_FLAGS", "(unset)",
-                             "nvcc's own: flags it puts first; part of the kernel cache key")
-NVCC_APPEND_FLAGS = Setting("NVCC_APPEND_FLAGS", "(unset)",
-                            "nvcc's own: flags it puts last; part of the kernel cache key")
+NVCC_PREPEND_FLAGS = Setting(
+    "NVCC_PREPEND_FLAGS", "(unset)", "nvcc's own: flags it puts first; part of the kernel cache key"
+)
+NVCC_APPEND_FLAGS = Setting(
+    "NVCC_APPEND_FLAGS", "(unset)", "nvcc's own: flags it puts last; part of the kernel cache key"
+)
 NVCC_CCBIN = Setting("NVCC_CCBIN", "(unset)", "nvcc's own: the host compiler; part of the kernel cache key")
 NVCC_VARIABLES = (NVCC_PREPEND_FLAGS, NVCC_APPEND_FLAGS, NVCC_CCBIN)
 """The variables nvcc itself reads: they change what it builds, so they are part of the cache key."""
 
 # -- the report and its notebooks ------------------------------------------------------------------------------
-NOTEBOOKS = Setting("PAGEDWINDOW_NOTEBOOKS", "the checkout's notebooks/, else ./notebooks",
-                    "where pagedwindow report finds the notebooks and their params/")
-REPO = Setting("PAGEDWINDOW_REPO", "the checkout this package is imported from",
-               "the repository notebooks resolve relative paths against (the report sets it for its notebooks)")
-COMMIT = Setting("PAGEDWINDOW_COMMIT", "the checkout's short sha (+dirty)",
-                 "the commit a report names, for a copy of the tree without .git")
-MPLBACKEND = Setting("MPLBACKEND", "Agg, except inside a notebook kernel",
-                     "matplotlib's own: when set, pagedwindow.viz keeps it (the report sets the inline backend)")
+NOTEBOOKS = Setting(
+    "PAGEDWINDOW_NOTEBOOKS",
+    "the checkout's notebooks/, else ./notebooks",
+    "where pagedwindow report finds the notebooks and their params/",
+)
+REPO = Setting(
+    "PAGEDWINDOW_REPO",
+    "the checkout this package is imported from",
+    "the repository notebooks resolve relative paths against (the report sets it for its notebooks)",
+)
+COMMIT = Setting(
+    "PAGEDWINDOW_COMMIT",
+    "the checkout's short sha (+dirty)",
+    "the commit a report names, for a copy of the tree without .git",
+)
+MPLBACKEND = Setting(
+    "MPLBACKEND",
+    "Agg, except inside a notebook kernel",
+    "matplotlib's own: when set, pagedwindow.viz keeps it (the report sets the inline backend)",
+)
 
 # -- the test suite ------------------------------------------------------------------------------------------
-REQUIRE_GPU = Setting("PAGEDWINDOW_REQUIRE_GPU", "(unset)",
-                      "1 makes the test suite fail its cuda tests on a machine without a GPU instead of skipping")
+REQUIRE_GPU = Setting(
+    "PAGEDWINDOW_REQUIRE_GPU",
+    "(unset)",
+    "1 makes the test suite fail its cuda tests on a machine without a GPU instead of skipping",
+)
 
-SETTINGS = (PREFILL_KERNEL, NVCC_FLAGS, NVCC, CUDA_HOME, CUDA_PATH, KERNELS_DIR, CACHE_DIR, *NVCC_VARIABLES,
-            NOTEBOOKS, REPO, COMMIT, MPLBACKEND, REQUIRE_GPU)
+SETTINGS = (
+    PREFILL_KERNEL,
+    NVCC_FLAGS,
+    NVCC,
+    CUDA_HOME,
+    CUDA_PATH,
+    KERNELS_DIR,
+    CACHE_DIR,
+    *NVCC_VARIABLES,
+    NOTEBOOKS,
+    REPO,
+    COMMIT,
+    MPLBACKEND,
+    REQUIRE_GPU,
+)
 """Every setting, in the README's order."""
 
 

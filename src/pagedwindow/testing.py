@@ -34,6 +34,7 @@ ERR_FACTOR, ERR_SLACK = 2.0, 1e-3  # the tolerance rule: max|ours - fp64| <= ERR
 
 # -- page tables ----------------------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class PageTable:
     """Each request's page ids in position order (position ``p`` lives on ``pages[i][p // page_size]``, slot
@@ -69,14 +70,15 @@ def pages_in_turn(kv_lens, page_size: int, order, num_pages: int | None = None) 
         raise ValueError(f"{sum(need)} pages needed, {len(order)} page ids given")
     pages, at = [], 0
     for n in need:
-        pages.append(order[at: at + n])
+        pages.append(order[at : at + n])
         at += n
     lasts = [kv - (n - 1) * page_size for kv, n in zip(kv_lens, need)]
     return PageTable(pages, lasts, len(order) if num_pages is None else int(num_pages))
 
 
-def random_pages(gen: torch.Generator, kv_lens, page_size: int, *, spare_pages: int = 0,
-                 num_pages: int | None = None) -> PageTable:
+def random_pages(
+    gen: torch.Generator, kv_lens, page_size: int, *, spare_pages: int = 0, num_pages: int | None = None
+) -> PageTable:
     """:func:`pages_in_turn` from a random permutation (drawn from ``gen``) of a pool of ``num_pages`` pages
     (default: the pages needed plus ``spare_pages``)."""
     if num_pages is None:
@@ -85,6 +87,7 @@ def random_pages(gen: torch.Generator, kv_lens, page_size: int, *, spare_pages: 
 
 
 # -- random batches -------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class PagedBatch:
@@ -106,11 +109,25 @@ class PagedBatch:
         append_paged_kv(self.k, self.v, self.pool, self.layout, self.layer, self.plan, backend=backend)
 
 
-def random_batch(gen: torch.Generator, *, seq_lens, start_positions, page_size: int, num_qo_heads: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float64, device="cpu",
-                 num_layers: int = 2, layer: int = 1, spare_pages: int = 3, num_pages: int | None = None,
-                 cta_tile_q: int | None = None, unused_slots: float | None = None,
-                 qk_std: float = 1.0) -> PagedBatch:
+def random_batch(
+    gen: torch.Generator,
+    *,
+    seq_lens,
+    start_positions,
+    page_size: int,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float64,
+    device="cpu",
+    num_layers: int = 2,
+    layer: int = 1,
+    spare_pages: int = 3,
+    num_pages: int | None = None,
+    cta_tile_q: int | None = None,
+    unused_slots: float | None = None,
+    qk_std: float = 1.0,
+) -> PagedBatch:
     """A batch whose pages are a random permutation of the pool (:func:`random_pages`), every slot of the pool
     filled with noise, each request's prefix K/V written straight into its slots; the new rows' K/V are returned
     for appending. Values are drawn from ``gen`` in float64 (pool, then every request's K, every request's V,
@@ -121,9 +138,17 @@ def random_batch(gen: torch.Generator, *, seq_lens, start_positions, page_size: 
     seq_lens, start_positions = [int(n) for n in seq_lens], [int(s) for s in start_positions]
     kv_lens = [s + n for s, n in zip(start_positions, seq_lens)]
     table = random_pages(gen, kv_lens, page_size, spare_pages=spare_pages, num_pages=num_pages)
-    plan = PrefillPagedPlan.batch(table.pages, table.last_page_lens, start_positions, seq_lens,
-                                  num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                  page_size=page_size, cta_tile_q=cta_tile_q)
+    plan = PrefillPagedPlan.batch(
+        table.pages,
+        table.last_page_lens,
+        start_positions,
+        seq_lens,
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        cta_tile_q=cta_tile_q,
+    )
     layout = PagedKvLayout(num_layers, num_kv_heads, head_dim, page_size)
 
     def rand(*shape, std=1.0):
@@ -152,8 +177,16 @@ def random_batch(gen: torch.Generator, *, seq_lens, start_positions, page_size: 
 
 # -- the dense attention --------------------------------------------------------------------------------------------
 
-def dense_attention_of_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float,
-                               window_left: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+
+def dense_attention_of_request(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    sm_scale: float,
+    window_left: int,
+    dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
     """Attention of one request computed densely in ``dtype`` on q's device: q ``[S, Hq, D]`` holds its last ``S``
     rows, at KV positions ``L - S .. L - 1`` (bottom-right alignment); k/v ``[L, Hkv, D]`` hold every key at
     positions ``0 .. L - 1``. A query at ``p`` sees the keys ``k <= p`` with ``p - k <= window_left`` (any
@@ -177,19 +210,24 @@ def dense_attention_of_request(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return torch.cat(rows) if rows else q.new_zeros(q.shape, dtype=dtype)
 
 
-def dense_attention(batch: PagedBatch, *, sm_scale: float, window_left: int,
-                    dtype: torch.dtype = torch.float64) -> torch.Tensor:
+def dense_attention(
+    batch: PagedBatch, *, sm_scale: float, window_left: int, dtype: torch.dtype = torch.float64
+) -> torch.Tensor:
     """:func:`dense_attention_of_request` of every request of ``batch`` from its dense K/V (not the pool), in
     ``dtype``: float64 is the truth, the inputs' dtype the plain-torch baseline. ``[total_tokens, hq, d]``."""
     rows, at = [], 0
     for fk, fv, seq in zip(batch.full_k, batch.full_v, batch.plan.seq_lens):
-        rows.append(dense_attention_of_request(batch.q[at: at + seq], fk, fv, sm_scale=sm_scale,
-                                               window_left=window_left, dtype=dtype))
+        rows.append(
+            dense_attention_of_request(
+                batch.q[at : at + seq], fk, fv, sm_scale=sm_scale, window_left=window_left, dtype=dtype
+            )
+        )
         at += seq
     return torch.cat(rows) if rows else batch.q.new_zeros((0, *batch.q.shape[1:]), dtype=dtype)
 
 
 # -- the tolerance rule ---------------------------------------------------------------------------------------------
+
 
 def max_abs_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     """``max |x - ref|`` in float64 (0 for empty tensors; inf where either holds a NaN or an infinity)."""
@@ -242,15 +280,34 @@ def run_kernel_case(geometry, window_left: int, seed: int):
     ``out`` / ``lse`` poisoned with NaN, :data:`SPARE_OUT_ROWS` rows longer than the batch. Returns
     ``(batch, out, lse)`` after a synchronize."""
     page_size, seqs, starts, (hq, hkv), tile = geometry
-    batch = random_batch(torch.Generator().manual_seed(seed), seq_lens=seqs, start_positions=starts,
-                         page_size=page_size, num_qo_heads=hq, num_kv_heads=hkv, head_dim=KERNEL_HEAD_DIM,
-                         dtype=torch.bfloat16, device="cuda", cta_tile_q=tile, unused_slots=float("nan"))
+    batch = random_batch(
+        torch.Generator().manual_seed(seed),
+        seq_lens=seqs,
+        start_positions=starts,
+        page_size=page_size,
+        num_qo_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=KERNEL_HEAD_DIM,
+        dtype=torch.bfloat16,
+        device="cuda",
+        cta_tile_q=tile,
+        unused_slots=float("nan"),
+    )
     batch.append(backend="cuda")
     rows = batch.plan.total_tokens
-    out = torch.full((rows + SPARE_OUT_ROWS, hq, KERNEL_HEAD_DIM), float("nan"), dtype=torch.bfloat16,
-                     device="cuda")
+    out = torch.full((rows + SPARE_OUT_ROWS, hq, KERNEL_HEAD_DIM), float("nan"), dtype=torch.bfloat16, device="cuda")
     lse = torch.full((rows + SPARE_OUT_ROWS, hq), float("nan"), dtype=torch.float32, device="cuda")
-    batch_prefill_paged_window(batch.q, batch.pool, batch.layout, batch.layer, batch.plan, sm_scale=KERNEL_SM_SCALE,
-                               window_left=window_left, out=out, lse=lse, backend="cuda")
+    batch_prefill_paged_window(
+        batch.q,
+        batch.pool,
+        batch.layout,
+        batch.layer,
+        batch.plan,
+        sm_scale=KERNEL_SM_SCALE,
+        window_left=window_left,
+        out=out,
+        lse=lse,
+        backend="cuda",
+    )
     torch.cuda.synchronize()
     return batch, out, lse

@@ -54,8 +54,9 @@ def device_traits(device) -> tuple[tuple[int, int], int]:
     return found
 
 
-def tile_for_batch(seq_lens: np.ndarray, group: int, num_kv_heads: int, device=None, *,
-                   total_tokens: int | None = None) -> tuple[int, str]:
+def tile_for_batch(
+    seq_lens: np.ndarray, group: int, num_kv_heads: int, device=None, *, total_tokens: int | None = None
+) -> tuple[int, str]:
     """The default tile for a batch with these new-row counts (``seq_lens [batch]``, summing to ``total_tokens``
     when given); returns (tile, reason)."""
     capability, sm_count = device_traits(device)

@@ -27,11 +27,22 @@ def _request(margins, *, tf_flip_at=(), logits_ok=True, free_flip_at=None):
     first_unclear = next((s for s, c in enumerate(clear) if not c), n)
     err = 0.02 if logits_ok else 0.5
     return RequestDecode(
-        prompt=[3, 4, 5], hf_tokens=hf_tokens, ours_tokens=free, ours_tf_argmax=tf, logit_err=[err] * n,
-        floor_err=[0.02] * n, margin=list(margins), clear=clear, tol=TOL, logits=ErrorStats(err, err / 4, 4.0),
-        floor=ErrorStats(0.02, 0.005, 4.0), logits_gate=GateResult(err <= TOL, err, TOL, "max_abs <= tol"),
+        prompt=[3, 4, 5],
+        hf_tokens=hf_tokens,
+        ours_tokens=free,
+        ours_tf_argmax=tf,
+        logit_err=[err] * n,
+        floor_err=[0.02] * n,
+        margin=list(margins),
+        clear=clear,
+        tol=TOL,
+        logits=ErrorStats(err, err / 4, 4.0),
+        floor=ErrorStats(0.02, 0.005, 4.0),
+        logits_gate=GateResult(err <= TOL, err, TOL, "max_abs <= tol"),
         tf_tokens_ok=all(a == t for a, t, c in zip(tf, hf_tokens, clear) if c),
-        free_tokens_ok=free[:first_unclear] == hf_tokens[:first_unclear], first_unclear=first_unclear)
+        free_tokens_ok=free[:first_unclear] == hf_tokens[:first_unclear],
+        first_unclear=first_unclear,
+    )
 
 
 def _result(requests, min_clear_steps=MIN_CLEAR_STEPS):
@@ -81,11 +92,14 @@ def test_clear_steps_count_over_every_request_of_the_batch():
     assert _result([a, b], min_clear_steps=9).verdict == "inconclusive"
 
 
-@pytest.mark.parametrize("request_kwargs,needle", [
-    ({"tf_flip_at": {2}}, "teacher-forced token differs from HF's at clear-margin steps [2]"),
-    ({"logits_ok": False}, "logits max_abs <= tol fails: 0.5 > 0.05"),
-    ({"free_flip_at": 1}, "free-running tokens part from HF's before the first unclear step (3)"),
-])
+@pytest.mark.parametrize(
+    "request_kwargs,needle",
+    [
+        ({"tf_flip_at": {2}}, "teacher-forced token differs from HF's at clear-margin steps [2]"),
+        ({"logits_ok": False}, "logits max_abs <= tol fails: 0.5 > 0.05"),
+        ({"free_flip_at": 1}, "free-running tokens part from HF's before the first unclear step (3)"),
+    ],
+)
 def test_a_failed_check_is_a_failure_even_when_inconclusive(request_kwargs, needle):
     result = _result([_request([CLEAR] * 3 + [UNCLEAR] * 9, **request_kwargs)])
     assert not result.conclusive and result.verdict == "failed"

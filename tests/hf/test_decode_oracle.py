@@ -20,7 +20,8 @@ def _assert_decode(result):
         assert len(r.hf_tokens) == len(r.ours_tokens) == len(r.logit_err) == n
         assert r.logits_gate.passed, (
             f"{result.case.name} request {i}: logits {r.logits_gate.value:.3g} > {r.logits_gate.limit:.3g} "
-            f"(floor max_abs {r.floor.max_abs:.3g})")
+            f"(floor max_abs {r.floor.max_abs:.3g})"
+        )
         assert r.tf_tokens_ok, f"request {i}: teacher-forced argmax {r.ours_tf_argmax} vs HF {r.hf_tokens}"
         assert r.free_tokens_ok, f"request {i}: free-running {r.ours_tokens} vs HF {r.hf_tokens}"
     assert result.passed

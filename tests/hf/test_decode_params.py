@@ -16,10 +16,27 @@ from pagedwindow.viz import params
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 STEM = "03_greedy_decode_oracle"
-GOOD = dict(family="gemma4", num_layers=3, sliding_window_pattern=3, num_qo_heads=4, num_kv_heads=2, head_dim=256,
-            hidden_size=256, tie_word_embeddings=True, sliding_window=16, page_size=5, prompt_len=10,
-            extra_prompt_lens=[], prefix_len=6, max_new_tokens=10, min_clear_steps=8, dtype="float32",
-            backend="reference", device="cpu", seed=0)
+GOOD = dict(
+    family="gemma4",
+    num_layers=3,
+    sliding_window_pattern=3,
+    num_qo_heads=4,
+    num_kv_heads=2,
+    head_dim=256,
+    hidden_size=256,
+    tie_word_embeddings=True,
+    sliding_window=16,
+    page_size=5,
+    prompt_len=10,
+    extra_prompt_lens=[],
+    prefix_len=6,
+    max_new_tokens=10,
+    min_clear_steps=8,
+    dtype="float32",
+    backend="reference",
+    device="cpu",
+    seed=0,
+)
 
 
 def check(**overrides):
@@ -34,8 +51,9 @@ def test_the_check_takes_exactly_the_notebooks_parameters():
     assert check() == GOOD
 
 
-@pytest.mark.parametrize("given,want", [("[30, 17]", [30, 17]), ("30,17", [30, 17]), ("[]", []), ([7], [7]),
-                                        ("9", [9])])
+@pytest.mark.parametrize(
+    "given,want", [("[30, 17]", [30, 17]), ("30,17", [30, 17]), ("[]", []), ([7], [7]), ("9", [9])]
+)
 def test_extra_prompt_lens_accepts_papermill_strings(given, want):
     p = check(extra_prompt_lens=given)
     assert p["extra_prompt_lens"] == want
@@ -44,30 +62,33 @@ def test_extra_prompt_lens_accepts_papermill_strings(given, want):
     assert case.prefill_chunks == tuple((6, n - 6) for n in (10, *want))
 
 
-@pytest.mark.parametrize("overrides,match", [
-    ({"prefix_len": 10}, r"^parameter prefix_len = 10 must be < prompt_len = 10 "),
-    ({"prompt_len": 5, "extra_prompt_lens": [30]}, r"^parameter prefix_len = 6 must be < prompt_len = 5 "),
-    ({"extra_prompt_lens": "[30, 6, 9]"}, r"^parameter prefix_len = 6 must be < extra_prompt_lens\[1\] = 6 "),
-    ({"num_qo_heads": 3}, r"^parameter num_qo_heads = 3 must be a multiple of num_kv_heads = 2 "),
-    ({"num_kv_heads": 0}, r"^parameter num_kv_heads = 0 must be >= 1$"),
-    ({"page_size": 0}, r"^parameter page_size = 0 must be >= 1$"),
-    ({"page_size": "five"}, r"^parameter page_size must be an integer, got 'five' \(str\)$"),
-    ({"head_dim": 255}, r"^parameter head_dim = 255 must be even "),
-    ({"sliding_window": 0}, r"^parameter sliding_window = 0 must be >= 1$"),
-    ({"sliding_window_pattern": 0}, r"^parameter sliding_window_pattern = 0 must be >= 1$"),
-    ({"max_new_tokens": 0}, r"^parameter max_new_tokens = 0 must be >= 1$"),
-    ({"min_clear_steps": 0}, r"^parameter min_clear_steps = 0 must be >= 1$"),
-    ({"min_clear_steps": 11}, r"^parameter min_clear_steps = 11 exceeds the 10 steps compared "),
-    ({"min_clear_steps": 21, "extra_prompt_lens": [8]}, r"exceeds the 20 steps compared \(2 prompt\(s\) x"),
-    ({"extra_prompt_lens": "[7, x]"}, r"^parameter extra_prompt_lens\[1\] must be an integer, got 'x' \(str\)$"),
-    ({"extra_prompt_lens": "[7, 0]"}, r"^parameter extra_prompt_lens\[1\] = 0 must be >= 1$"),
-    ({"prompt_len": 40000}, r"^parameters prompt_len / extra_prompt_lens \+ max_new_tokens = 40010 exceed "),
-    ({"tie_word_embeddings": "maybe"}, r"^parameter tie_word_embeddings must be true or false, got 'maybe'"),
-    ({"family": "llama"}, r"^parameter family = 'llama' is not one of \['gemma4', 'gemma3'\]$"),
-    ({"dtype": "float16"}, r"^parameter dtype = 'float16' is not one of "),
-    ({"backend": "triton"}, r"^parameter backend = 'triton' is not one of "),
-    ({"device": "tpu"}, r"^parameter device = 'tpu': "),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"prefix_len": 10}, r"^parameter prefix_len = 10 must be < prompt_len = 10 "),
+        ({"prompt_len": 5, "extra_prompt_lens": [30]}, r"^parameter prefix_len = 6 must be < prompt_len = 5 "),
+        ({"extra_prompt_lens": "[30, 6, 9]"}, r"^parameter prefix_len = 6 must be < extra_prompt_lens\[1\] = 6 "),
+        ({"num_qo_heads": 3}, r"^parameter num_qo_heads = 3 must be a multiple of num_kv_heads = 2 "),
+        ({"num_kv_heads": 0}, r"^parameter num_kv_heads = 0 must be >= 1$"),
+        ({"page_size": 0}, r"^parameter page_size = 0 must be >= 1$"),
+        ({"page_size": "five"}, r"^parameter page_size must be an integer, got 'five' \(str\)$"),
+        ({"head_dim": 255}, r"^parameter head_dim = 255 must be even "),
+        ({"sliding_window": 0}, r"^parameter sliding_window = 0 must be >= 1$"),
+        ({"sliding_window_pattern": 0}, r"^parameter sliding_window_pattern = 0 must be >= 1$"),
+        ({"max_new_tokens": 0}, r"^parameter max_new_tokens = 0 must be >= 1$"),
+        ({"min_clear_steps": 0}, r"^parameter min_clear_steps = 0 must be >= 1$"),
+        ({"min_clear_steps": 11}, r"^parameter min_clear_steps = 11 exceeds the 10 steps compared "),
+        ({"min_clear_steps": 21, "extra_prompt_lens": [8]}, r"exceeds the 20 steps compared \(2 prompt\(s\) x"),
+        ({"extra_prompt_lens": "[7, x]"}, r"^parameter extra_prompt_lens\[1\] must be an integer, got 'x' \(str\)$"),
+        ({"extra_prompt_lens": "[7, 0]"}, r"^parameter extra_prompt_lens\[1\] = 0 must be >= 1$"),
+        ({"prompt_len": 40000}, r"^parameters prompt_len / extra_prompt_lens \+ max_new_tokens = 40010 exceed "),
+        ({"tie_word_embeddings": "maybe"}, r"^parameter tie_word_embeddings must be true or false, got 'maybe'"),
+        ({"family": "llama"}, r"^parameter family = 'llama' is not one of \['gemma4', 'gemma3'\]$"),
+        ({"dtype": "float16"}, r"^parameter dtype = 'float16' is not one of "),
+        ({"backend": "triton"}, r"^parameter backend = 'triton' is not one of "),
+        ({"device": "tpu"}, r"^parameter device = 'tpu': "),
+    ],
+)
 def test_bad_parameters_fail_in_one_line_naming_the_parameter(overrides, match):
     with pytest.raises(PagedWindowError, match=match) as info:
         check(**overrides)
@@ -94,12 +115,19 @@ def test_a_bad_parameter_stops_the_notebook_before_any_model_is_built(tmp_path):
     import papermill
 
     with pytest.raises(papermill.PapermillExecutionError) as info:
-        papermill.execute_notebook(str(NOTEBOOKS / f"{STEM}.ipynb"), str(tmp_path / "o.ipynb"),
-                                   parameters=dict(GOOD, prompt_len=50, prefix_len=96, out_dir=str(tmp_path / "o")),
-                                   kernel_name="python3", progress_bar=False, cwd=str(tmp_path))
+        papermill.execute_notebook(
+            str(NOTEBOOKS / f"{STEM}.ipynb"),
+            str(tmp_path / "o.ipynb"),
+            parameters=dict(GOOD, prompt_len=50, prefix_len=96, out_dir=str(tmp_path / "o")),
+            kernel_name="python3",
+            progress_bar=False,
+            cwd=str(tmp_path),
+        )
     assert info.value.ename == "PagedWindowError"
-    assert info.value.evalue == ("parameter prefix_len = 96 must be < prompt_len = 50 (every prompt is prefilled as "
-                                 "prefix_len tokens, then the rest; 0: one prefill step)")
+    assert info.value.evalue == (
+        "parameter prefix_len = 96 must be < prompt_len = 50 (every prompt is prefilled as "
+        "prefix_len tokens, then the rest; 0: one prefill step)"
+    )
     assert "check_greedy_decode(" in info.value.source and info.value.exec_count == 3
     assert not (tmp_path / "o" / "metrics.json").exists()
 

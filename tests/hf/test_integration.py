@@ -33,8 +33,17 @@ def test_our_attention_receives_our_mask_object_not_none(monkeypatch):
 
     def spy(self, layer, query, key, value, *, valid, position_ids, sm_scale, sliding_window):
         seen.append((layer, valid, sm_scale, sliding_window))
-        return original(self, layer, query, key, value, valid=valid, position_ids=position_ids, sm_scale=sm_scale,
-                        sliding_window=sliding_window)
+        return original(
+            self,
+            layer,
+            query,
+            key,
+            value,
+            valid=valid,
+            position_ids=position_ids,
+            sm_scale=sm_scale,
+            sliding_window=sliding_window,
+        )
 
     masks = []
     original_mask = integration.paged_mask
@@ -45,14 +54,14 @@ def test_our_attention_receives_our_mask_object_not_none(monkeypatch):
 
     monkeypatch.setattr(integration.PagedWindowSession, "attend", spy)
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
     monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, ATTN_IMPL, mask_spy)
     model = tiny("gemma4")
     mask = torch.ones(2, 9, dtype=torch.long)
     mask[1, :4] = 0  # left padding in request 1
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate derives them
     with pagedwindow_attention(model, backend="reference"), torch.no_grad():
-        model(input_ids=torch.randint(3, 512, (2, 9)), attention_mask=mask, position_ids=position_ids,
-              use_cache=False)
+        model(input_ids=torch.randint(3, 512, (2, 9)), attention_mask=mask, position_ids=position_ids, use_cache=False)
         with pytest.raises(pw.PagedWindowError, match="position_ids"):
             # without position_ids HF numbers the padded request's tokens 4..8: refused, not silently shifted
             model(input_ids=torch.randint(3, 512, (2, 9)), attention_mask=mask, use_cache=False)
@@ -130,8 +139,11 @@ def test_hf_cache_on_takes_only_the_new_rows():
             kwargs = {cache_kwarg(model): new_dynamic_cache(model)} if use_cache else {}
             steps = [model(input_ids=ids[:, :21], use_cache=use_cache, **kwargs).logits[:, -1]]
             for t in range(21, 30):
-                steps.append(model(input_ids=ids[:, t:t + 1], position_ids=torch.tensor([[t]]), use_cache=use_cache,
-                                   **kwargs).logits[:, -1])
+                steps.append(
+                    model(
+                        input_ids=ids[:, t : t + 1], position_ids=torch.tensor([[t]]), use_cache=use_cache, **kwargs
+                    ).logits[:, -1]
+                )
         outs[use_cache] = torch.stack(steps)
     assert error_stats(outs[True], outs[False]).max_abs == 0.0
 
@@ -183,8 +195,9 @@ def test_ragged_batch_with_mid_sequence_pads_matches_each_prompt_alone():
     prompts = [_ids(n, seed=10 + n)[0].tolist() for n in (6, 29, 17)]
     continuation = [[5, 6, 7]] * 3
     with pagedwindow_attention(model, backend="reference", page_size=5):
-        _, batched = step_logits(model, prompts, continuations=continuation,
-                                 prefill_chunks=((6,), (10, 19), (3, 4, 10)))
+        _, batched = step_logits(
+            model, prompts, continuations=continuation, prefill_chunks=((6,), (10, 19), (3, 4, 10))
+        )
     for i, p in enumerate(prompts):
         with pagedwindow_attention(model, backend="reference"):
             _, alone = step_logits(model, [p], continuations=[continuation[i]])

@@ -19,7 +19,8 @@ def _assert_case(result, dtype):
         assert e.window_left == (15 if e.layer_type == "sliding_attention" else -1)
         assert e.gate.passed, (
             f"{result.case.name} layer {e.layer} ({e.layer_type}): ours max_abs {e.ours.max_abs:.3g} "
-            f"rel {e.ours.max_rel:.3g} > limit {e.gate.limit:.3g} (HF sdpa floor {e.floor.max_abs:.3g})")
+            f"rel {e.ours.max_rel:.3g} > limit {e.gate.limit:.3g} (HF sdpa floor {e.floor.max_abs:.3g})"
+        )
         if dtype == torch.float32:
             assert e.ours.max_rel <= 1e-4
         else:
@@ -58,6 +59,7 @@ def test_bf16_per_layer_within_the_hf_floor(family, backend, case):
 @pytest.mark.parametrize("wrong", ["window_plus_one", "window_minus_one", "no_window"])
 def test_a_wrong_window_fails_the_gate(monkeypatch, dtype, wrong):
     """Negative control: the gates are tight enough to catch an off-by-one window, in fp32 and in bf16."""
+
     def broken(w):
         if w is None:
             return -1
@@ -78,7 +80,7 @@ def test_wrong_scale_fails_the_gate(monkeypatch):
     def capture_with_wrong_scale(*args, **kwargs):
         cap = original(*args, **kwargs)
         for call in cap.calls:
-            call.scaling = 256 ** -0.5 * 1.01
+            call.scaling = 256**-0.5 * 1.01
         return cap
 
     monkeypatch.setattr(layer_oracle, "capture_attention", capture_with_wrong_scale)

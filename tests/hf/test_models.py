@@ -33,8 +33,11 @@ def test_building_leaves_the_global_rng_alone():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_norms_and_layer_scalars_are_randomised(family):
     model = tiny(family)
-    norms = [(n, m) for n, m in model.named_modules()
-             if type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), torch.nn.Parameter)]
+    norms = [
+        (n, m)
+        for n, m in model.named_modules()
+        if type(m).__name__.endswith("RMSNorm") and isinstance(getattr(m, "weight", None), torch.nn.Parameter)
+    ]
     assert len(norms) >= 4 * model.config.num_hidden_layers
     for name, m in norms:
         w = m.weight.detach()
@@ -48,8 +51,11 @@ def test_norms_and_layer_scalars_are_randomised(family):
 def test_gemma4_geometry_and_scale():
     model = tiny("gemma4")
     geometry = attention_geometry(model)
-    assert [g.layer_type for g in geometry] == default_layer_types(4) == [
-        "sliding_attention", "sliding_attention", "full_attention", "full_attention"]
+    assert (
+        [g.layer_type for g in geometry]
+        == default_layer_types(4)
+        == ["sliding_attention", "sliding_attention", "full_attention", "full_attention"]
+    )
     for g in geometry:
         assert (g.num_qo_heads, g.num_kv_heads, g.head_dim) == (4, 2, 256)
         assert g.scaling == 1.0
@@ -63,7 +69,7 @@ def test_gemma3_geometry_and_scale():
     model = tiny("gemma3")
     for g in attention_geometry(model):
         assert (g.num_qo_heads, g.num_kv_heads, g.head_dim) == (4, 2, 256)
-        assert g.scaling == pytest.approx(256 ** -0.5)
+        assert g.scaling == pytest.approx(256**-0.5)
         assert g.sliding_window == (16 if g.layer_type == "sliding_attention" else None)
 
 

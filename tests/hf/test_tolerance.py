@@ -30,7 +30,7 @@ def test_bf16_gate_is_twice_the_floor_or_one_ulp_of_the_largest_element():
     assert gate(error_stats(ref + 0.1, ref), floor, torch.bfloat16).passed
     assert not gate(error_stats(ref + 0.11, ref), floor, torch.bfloat16).passed
     zero_floor = error_stats(ref, ref)
-    ulp = 2.0 * 2 ** -7  # one bf16 ulp at 2.0
+    ulp = 2.0 * 2**-7  # one bf16 ulp at 2.0
     assert gate(error_stats(ref + ulp, ref), zero_floor, torch.bfloat16).passed
     assert not gate(error_stats(ref + 2 * ulp, ref), zero_floor, torch.bfloat16).passed
     assert tolerance(2.0, 0.05, torch.bfloat16) == 0.1 and tolerance(10.0, 0.0, torch.float32) == pytest.approx(1e-3)
@@ -43,7 +43,9 @@ def test_margin_rule():
 
 
 def test_import_pagedwindow_and_pagedwindow_hf_do_not_import_transformers():
-    code = ("import sys, pagedwindow, pagedwindow.hf; "
-            "from pagedwindow.hf import tiny_gemma4, use_pagedwindow, run_layer_case, run_decode_case; "
-            "assert 'transformers' not in sys.modules, sorted(m for m in sys.modules if 'transformers' in m)")
+    code = (
+        "import sys, pagedwindow, pagedwindow.hf; "
+        "from pagedwindow.hf import tiny_gemma4, use_pagedwindow, run_layer_case, run_decode_case; "
+        "assert 'transformers' not in sys.modules, sorted(m for m in sys.modules if 'transformers' in m)"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

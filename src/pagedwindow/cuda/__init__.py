@@ -61,8 +61,10 @@ def _load_error() -> str | None:
                 _load_state["error"] = None
             except (BuildError, OSError) as exc:
                 _load_state["error"] = f"the CUDA kernels could not be built or loaded: {exc}"
-                _log.warning("backend 'cuda' is unavailable (backend 'auto' runs the PyTorch reference): %s",
-                             _load_state["error"])
+                _log.warning(
+                    "backend 'cuda' is unavailable (backend 'auto' runs the PyTorch reference): %s",
+                    _load_state["error"],
+                )
             else:
                 _log.info("CUDA kernels loaded for %s; prefill kernel: %s", device, _kernel_choice(device))
     return _load_state["error"]
@@ -107,8 +109,9 @@ def kv_copy_path(pool: torch.Tensor, geometry: PagedGeometry, num_kv_heads: int)
     if prefill_kernel(pool.device) != "wgmma":
         return "cp.async"
     lib = ops.library(pool.device)
-    mode = lib.pw_prefill_hd256_sm90_kv_copy_mode(pool.data_ptr(), geometry.k_offset, geometry.v_offset,
-                                                  geometry.page_stride, geometry.page_size, num_kv_heads)
+    mode = lib.pw_prefill_hd256_sm90_kv_copy_mode(
+        pool.data_ptr(), geometry.k_offset, geometry.v_offset, geometry.page_stride, geometry.page_size, num_kv_heads
+    )
     return "tma" if mode == 1 else "cp.async"
 
 
@@ -118,25 +121,56 @@ def _prefill_block(plan: PrefillPagedPlan, device: torch.device, buffer: torch.T
     block = plan.launch_cache.get(key)
     if block is None:
         block = plan.launch_cache[key] = ops.prefill_block(
-            buffer, plan.capacity.segment_offsets(), page_size=plan.page_size, num_qo_heads=plan.num_qo_heads,
-            num_kv_heads=plan.num_kv_heads, grid_tiles=plan.capacity.max_tiles, cta_tile_q=plan.cta_tile_q)
+            buffer,
+            plan.capacity.segment_offsets(),
+            page_size=plan.page_size,
+            num_qo_heads=plan.num_qo_heads,
+            num_kv_heads=plan.num_kv_heads,
+            grid_tiles=plan.capacity.max_tiles,
+            cta_tile_q=plan.cta_tile_q,
+        )
     return block
 
 
-def batch_prefill_paged_window(q, pool, geometry: PagedGeometry, plan: PrefillPagedPlan, *, sm_scale: float,
-                               window_left: int, out, lse=None) -> None:
+def batch_prefill_paged_window(
+    q, pool, geometry: PagedGeometry, plan: PrefillPagedPlan, *, sm_scale: float, window_left: int, out, lse=None
+) -> None:
     """Launch the prefill kernel. Eager calls (CUDA-graph capture included) go straight to the launcher;
     under ``torch.compile`` the custom op is what gets traced."""
     device = q.device
     buffer = plan.device_buffer(device)  # uploaded once per plan update; stable address
     if torch.compiler.is_compiling():
-        ops.prefill_hd256(q, pool, buffer, out, lse, geometry.k_offset, geometry.v_offset, geometry.page_stride,
-                          geometry.page_size, plan.num_qo_heads, plan.num_kv_heads,
-                          list(plan.capacity.segment_offsets()), plan.capacity.max_tiles, plan.cta_tile_q, sm_scale,
-                          window_left)
+        ops.prefill_hd256(
+            q,
+            pool,
+            buffer,
+            out,
+            lse,
+            geometry.k_offset,
+            geometry.v_offset,
+            geometry.page_stride,
+            geometry.page_size,
+            plan.num_qo_heads,
+            plan.num_kv_heads,
+            list(plan.capacity.segment_offsets()),
+            plan.capacity.max_tiles,
+            plan.cta_tile_q,
+            sm_scale,
+            window_left,
+        )
         return
-    ops.launch_prefill(_prefill_block(plan, device, buffer), q, pool, out, lse, geometry.k_offset,
-                       geometry.v_offset, geometry.page_stride, sm_scale, window_left)
+    ops.launch_prefill(
+        _prefill_block(plan, device, buffer),
+        q,
+        pool,
+        out,
+        lse,
+        geometry.k_offset,
+        geometry.v_offset,
+        geometry.page_stride,
+        sm_scale,
+        window_left,
+    )
 
 
 def append_paged_kv(k, v, pool, geometry: PagedGeometry, plan: PrefillPagedPlan) -> None:
@@ -144,14 +178,32 @@ def append_paged_kv(k, v, pool, geometry: PagedGeometry, plan: PrefillPagedPlan)
     buffer = plan.device_buffer(k.device)
     cap = plan.capacity
     if torch.compiler.is_compiling():
-        ops.append_paged_kv(k, v, pool, buffer, geometry.k_offset, geometry.v_offset, geometry.page_stride,
-                            geometry.page_size, plan.num_kv_heads, plan.head_dim, list(cap.segment_offsets()),
-                            cap.max_batch, cap.max_total_tokens)
+        ops.append_paged_kv(
+            k,
+            v,
+            pool,
+            buffer,
+            geometry.k_offset,
+            geometry.v_offset,
+            geometry.page_stride,
+            geometry.page_size,
+            plan.num_kv_heads,
+            plan.head_dim,
+            list(cap.segment_offsets()),
+            cap.max_batch,
+            cap.max_total_tokens,
+        )
         return
     key = ("append", k.device.index)
     block = plan.launch_cache.get(key)
     if block is None:
         block = plan.launch_cache[key] = ops.append_block(
-            buffer, cap.segment_offsets(), page_size=plan.page_size, num_kv_heads=plan.num_kv_heads,
-            head_dim=plan.head_dim, batch_capacity=cap.max_batch, token_capacity=cap.max_total_tokens)
+            buffer,
+            cap.segment_offsets(),
+            page_size=plan.page_size,
+            num_kv_heads=plan.num_kv_heads,
+            head_dim=plan.head_dim,
+            batch_capacity=cap.max_batch,
+            token_capacity=cap.max_total_tokens,
+        )
     ops.launch_append(block, k, v, pool, geometry.k_offset, geometry.v_offset, geometry.page_stride)

@@ -104,8 +104,10 @@ def kernels_dir() -> Path:
     for directory in (PACKAGE_KERNELS_DIR, REPO_KERNELS_DIR):
         if all((directory / name).is_file() for name in SOURCES):
             return directory
-    raise BuildError(f"kernel sources {SOURCES} not found in {PACKAGE_KERNELS_DIR} (installed package) or "
-                     f"{REPO_KERNELS_DIR} (repository); set PAGEDWINDOW_KERNELS_DIR")
+    raise BuildError(
+        f"kernel sources {SOURCES} not found in {PACKAGE_KERNELS_DIR} (installed package) or "
+        f"{REPO_KERNELS_DIR} (repository); set PAGEDWINDOW_KERNELS_DIR"
+    )
 
 
 def source_paths() -> list[Path]:
@@ -134,10 +136,15 @@ def build_inputs(target: str, nvcc: str) -> dict:
     """Everything the build depends on (hashed into the key and recorded in the manifest)."""
     directory = source_paths()[0].parent
     files = sorted([*directory.glob("*.cu"), *directory.glob("*.cuh"), *directory.glob("*.cpp")])  # every source
-    return {"format": CACHE_FORMAT, "target": target, "nvcc": str(Path(nvcc).resolve()),
-            "nvcc_version": nvcc_version(nvcc), "flags": nvcc_flags(),
-            "environment": settings.nvcc_environment(),
-            "files": {p.name: _sha256(p) for p in files}}
+    return {
+        "format": CACHE_FORMAT,
+        "target": target,
+        "nvcc": str(Path(nvcc).resolve()),
+        "nvcc_version": nvcc_version(nvcc),
+        "flags": nvcc_flags(),
+        "environment": settings.nvcc_environment(),
+        "files": {p.name: _sha256(p) for p in files},
+    }
 
 
 def _key_of(inputs: dict) -> str:
@@ -163,8 +170,13 @@ def _fsync(path: Path) -> None:
 
 def write_manifest(directory: Path, library: Path, key: str, inputs: dict) -> None:
     """Record ``library``'s name, size and sha256 (and the build's key and inputs) in ``directory``; fsynced."""
-    manifest = {"library": library.name, "size": library.stat().st_size, "sha256": _sha256(library), "key": key,
-                "inputs": inputs}
+    manifest = {
+        "library": library.name,
+        "size": library.stat().st_size,
+        "sha256": _sha256(library),
+        "key": key,
+        "inputs": inputs,
+    }
     with open(directory / MANIFEST, "w") as f:
         json.dump(manifest, f, indent=1, sort_keys=True)
         f.flush()
@@ -194,8 +206,17 @@ def _remove(path: Path) -> None:
 def _compile(nvcc: str, target: str, staging: Path, key: str, inputs: dict) -> Path:
     """Build the library into ``staging`` with its manifest and ptxas report, all fsynced; returns its path."""
     out = staging / f"{LIBRARY_STEM}.so"
-    cmd = [nvcc, *inputs["flags"], gencode(target), "-shared", "-Xcompiler", "-fPIC", "-o", str(out),
-           *map(str, source_paths())]
+    cmd = [
+        nvcc,
+        *inputs["flags"],
+        gencode(target),
+        "-shared",
+        "-Xcompiler",
+        "-fPIC",
+        "-o",
+        str(out),
+        *map(str, source_paths()),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     (staging / "ptxas.txt").write_text(shlex.join(cmd) + "\n" + proc.stdout + proc.stderr)
     if proc.returncode != 0:
@@ -239,8 +260,9 @@ def build_shared_library(target: str, *, discard: Path | None = None) -> Path:
     if library is not None:
         _log.info("kernel cache: discarding %s, which failed to load", library)
     elif final.exists():
-        _log.warning("kernel cache: %s does not match its manifest (truncated, modified or incomplete); "
-                     "rebuilding it", final)
+        _log.warning(
+            "kernel cache: %s does not match its manifest (truncated, modified or incomplete); rebuilding it", final
+        )
     else:
         _log.info("kernel cache miss: no %s in %s", final.name, root)
     root.mkdir(parents=True, exist_ok=True)
@@ -279,8 +301,9 @@ def load_verified(target: str, loader: Callable[[Path], T]) -> T:
         try:
             return loader(rebuilt)
         except (OSError, AttributeError) as exc:
-            raise OSError(f"{rebuilt} does not load even after a rebuild: {exc} (before the rebuild, {library}: "
-                          f"{first})") from exc
+            raise OSError(
+                f"{rebuilt} does not load even after a rebuild: {exc} (before the rebuild, {library}: {first})"
+            ) from exc
 
 
 @dataclass(frozen=True)
@@ -310,8 +333,11 @@ def parse_ptxas_report(text: str) -> list[KernelResources]:
         elif (m := _FRAME.search(line)) and current:
             frame = tuple(int(x) for x in m.groups())
         elif (m := _USED.search(line)) and current and frame:
-            found.append(KernelResources(current[1], current[0], int(m.group(1)), frame[1], frame[2], frame[0],
-                                         int(m.group(2) or 0)))
+            found.append(
+                KernelResources(
+                    current[1], current[0], int(m.group(1)), frame[1], frame[2], frame[0], int(m.group(2) or 0)
+                )
+            )
             current = None
     return found
 
@@ -324,8 +350,15 @@ def compile_for_targets(targets=CI_TARGETS, out_dir: Path | None = None) -> tupl
     report, resources = [], []
     for target in targets:
         for path in source_paths():
-            cmd = [nvcc, *flags, gencode(target), "-cubin", "-o", str(out_dir / f"{path.stem}.{target}.cubin"),
-                   str(path)]
+            cmd = [
+                nvcc,
+                *flags,
+                gencode(target),
+                "-cubin",
+                "-o",
+                str(out_dir / f"{path.stem}.{target}.cubin"),
+                str(path),
+            ]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             text = proc.stdout + proc.stderr
             report.append(f"$ {shlex.join(cmd)}\n{text}")

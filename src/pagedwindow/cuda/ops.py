@@ -32,20 +32,53 @@ _p, _i, _ll, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_flo
 class PrefillLaunch(ctypes.Structure):
     """Mirror of ``PwPrefillLaunch`` (kernels/prefill_launch.cuh)."""
 
-    _fields_ = [("q", _p), ("out", _p), ("lse", _p), ("pool", _p), ("k_offset", _ll), ("v_offset", _ll),
-                ("page_stride", _ll), ("page_indices", _p), ("page_indptr", _p), ("last_page_len", _p),
-                ("qo_indptr", _p), ("request_indices", _p), ("qo_tile_indices", _p), ("plan_scalars", _p),
-                ("page_size", _i), ("num_qo_heads", _i), ("num_kv_heads", _i), ("grid_tiles", _i),
-                ("cta_tile_q", _i), ("window_left", _i), ("sm_scale", _f)]
+    _fields_ = [
+        ("q", _p),
+        ("out", _p),
+        ("lse", _p),
+        ("pool", _p),
+        ("k_offset", _ll),
+        ("v_offset", _ll),
+        ("page_stride", _ll),
+        ("page_indices", _p),
+        ("page_indptr", _p),
+        ("last_page_len", _p),
+        ("qo_indptr", _p),
+        ("request_indices", _p),
+        ("qo_tile_indices", _p),
+        ("plan_scalars", _p),
+        ("page_size", _i),
+        ("num_qo_heads", _i),
+        ("num_kv_heads", _i),
+        ("grid_tiles", _i),
+        ("cta_tile_q", _i),
+        ("window_left", _i),
+        ("sm_scale", _f),
+    ]
 
 
 class AppendLaunch(ctypes.Structure):
     """Mirror of ``PwAppendLaunch`` (kernels/append_paged_kv.cu)."""
 
-    _fields_ = [("k", _p), ("v", _p), ("pool", _p), ("k_offset", _ll), ("v_offset", _ll), ("page_stride", _ll),
-                ("page_indices", _p), ("page_indptr", _p), ("last_page_len", _p), ("qo_indptr", _p),
-                ("plan_scalars", _p), ("page_size", _i), ("num_kv_heads", _i), ("head_dim", _i),
-                ("elem_bytes", _i), ("batch_capacity", _i), ("token_capacity", _i)]
+    _fields_ = [
+        ("k", _p),
+        ("v", _p),
+        ("pool", _p),
+        ("k_offset", _ll),
+        ("v_offset", _ll),
+        ("page_stride", _ll),
+        ("page_indices", _p),
+        ("page_indptr", _p),
+        ("last_page_len", _p),
+        ("qo_indptr", _p),
+        ("plan_scalars", _p),
+        ("page_size", _i),
+        ("num_kv_heads", _i),
+        ("head_dim", _i),
+        ("elem_bytes", _i),
+        ("batch_capacity", _i),
+        ("token_capacity", _i),
+    ]
 
 
 def prefill_entry(target: str) -> str:
@@ -61,19 +94,27 @@ def prefill_entry(target: str) -> str:
 def load(path) -> ctypes.CDLL:
     """Load a built kernels library, declare its launchers' C signatures and check the parameter blocks' sizes."""
     lib = ctypes.CDLL(str(path))
-    for name, block in (("pw_prefill_hd256_bf16", PrefillLaunch), ("pw_prefill_hd256_bf16_sm90", PrefillLaunch),
-                        ("pw_append_paged_kv", AppendLaunch)):
+    for name, block in (
+        ("pw_prefill_hd256_bf16", PrefillLaunch),
+        ("pw_prefill_hd256_bf16_sm90", PrefillLaunch),
+        ("pw_append_paged_kv", AppendLaunch),
+    ):
         getattr(lib, name).argtypes = [ctypes.POINTER(block), _p]
         getattr(lib, name).restype = _i
     for name, block in (("pw_prefill_launch_size", PrefillLaunch), ("pw_append_launch_size", AppendLaunch)):
         getattr(lib, name).restype = _i
         if getattr(lib, name)() != ctypes.sizeof(block):
-            raise OSError(f"{path}: {name}() = {getattr(lib, name)()} but the host's {block.__name__} has "
-                          f"{ctypes.sizeof(block)} bytes (a stale or foreign library)")
+            raise OSError(
+                f"{path}: {name}() = {getattr(lib, name)()} but the host's {block.__name__} has "
+                f"{ctypes.sizeof(block)} bytes (a stale or foreign library)"
+            )
     lib.pw_prefill_hd256_sm90_kv_copy_mode.argtypes = [_p, _ll, _ll, _ll, _i, _i]
     lib.pw_prefill_hd256_sm90_kv_copy_mode.restype = _i
-    for name in ("pw_prefill_hd256_error_string", "pw_prefill_hd256_sm90_error_string",
-                 "pw_append_paged_kv_error_string"):
+    for name in (
+        "pw_prefill_hd256_error_string",
+        "pw_prefill_hd256_sm90_error_string",
+        "pw_append_paged_kv_error_string",
+    ):
         getattr(lib, name).argtypes = [_i]
         getattr(lib, name).restype = ctypes.c_char_p
     return host_pass.declare(lib)
@@ -121,32 +162,78 @@ def _check(code: int, name: str, error_string) -> None:
 
 # -- parameter blocks from a plan buffer --------------------------------------------------------------------------
 
-def prefill_block(plan_buffer: torch.Tensor, segment_offsets, *, page_size: int, num_qo_heads: int,
-                  num_kv_heads: int, grid_tiles: int, cta_tile_q: int) -> PrefillLaunch:
+
+def prefill_block(
+    plan_buffer: torch.Tensor,
+    segment_offsets,
+    *,
+    page_size: int,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    grid_tiles: int,
+    cta_tile_q: int,
+) -> PrefillLaunch:
     """A prefill parameter block with the plan's pointers and sizes filled (tensors and scalars come per call)."""
     base = plan_buffer.data_ptr()
     scalars, page_indptr, last, qo_indptr, requests, qo_tiles, pages = (base + 4 * o for o in segment_offsets)
-    return PrefillLaunch(page_indices=pages, page_indptr=page_indptr, last_page_len=last, qo_indptr=qo_indptr,
-                         request_indices=requests, qo_tile_indices=qo_tiles, plan_scalars=scalars,
-                         page_size=page_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                         grid_tiles=grid_tiles, cta_tile_q=cta_tile_q)
+    return PrefillLaunch(
+        page_indices=pages,
+        page_indptr=page_indptr,
+        last_page_len=last,
+        qo_indptr=qo_indptr,
+        request_indices=requests,
+        qo_tile_indices=qo_tiles,
+        plan_scalars=scalars,
+        page_size=page_size,
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads,
+        grid_tiles=grid_tiles,
+        cta_tile_q=cta_tile_q,
+    )
 
 
-def append_block(plan_buffer: torch.Tensor, segment_offsets, *, page_size: int, num_kv_heads: int, head_dim: int,
-                 batch_capacity: int, token_capacity: int) -> AppendLaunch:
+def append_block(
+    plan_buffer: torch.Tensor,
+    segment_offsets,
+    *,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    batch_capacity: int,
+    token_capacity: int,
+) -> AppendLaunch:
     """A pool-write parameter block with the plan's pointers and sizes filled."""
     base = plan_buffer.data_ptr()
     scalars, page_indptr, last, qo_indptr, _, _, pages = (base + 4 * o for o in segment_offsets)
-    return AppendLaunch(page_indices=pages, page_indptr=page_indptr, last_page_len=last, qo_indptr=qo_indptr,
-                        plan_scalars=scalars, page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                        batch_capacity=batch_capacity, token_capacity=token_capacity)
+    return AppendLaunch(
+        page_indices=pages,
+        page_indptr=page_indptr,
+        last_page_len=last,
+        qo_indptr=qo_indptr,
+        plan_scalars=scalars,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        batch_capacity=batch_capacity,
+        token_capacity=token_capacity,
+    )
 
 
 # -- direct launches (the eager path) -----------------------------------------------------------------------------
 
-def launch_prefill(block: PrefillLaunch, q: torch.Tensor, pool: torch.Tensor, out: torch.Tensor,
-                   lse: torch.Tensor | None, k_offset: int, v_offset: int, page_stride: int, sm_scale: float,
-                   window_left: int) -> None:
+
+def launch_prefill(
+    block: PrefillLaunch,
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    k_offset: int,
+    v_offset: int,
+    page_stride: int,
+    sm_scale: float,
+    window_left: int,
+) -> None:
     """Fill the per-call fields of ``block`` and launch on ``q``'s device's current stream."""
     block.q, block.out, block.pool = q.data_ptr(), out.data_ptr(), pool.data_ptr()
     block.lse = lse.data_ptr() if lse is not None else None
@@ -158,8 +245,15 @@ def launch_prefill(block: PrefillLaunch, q: torch.Tensor, pool: torch.Tensor, ou
         _check(code, lib.prefill.__name__, lib.pw_prefill_hd256_error_string)  # one status table for both
 
 
-def launch_append(block: AppendLaunch, k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, k_offset: int,
-                  v_offset: int, page_stride: int) -> None:
+def launch_append(
+    block: AppendLaunch,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: torch.Tensor,
+    k_offset: int,
+    v_offset: int,
+    page_stride: int,
+) -> None:
     """Fill the per-call fields of ``block`` and launch the pool write on ``k``'s device's current stream."""
     block.k, block.v, block.pool = k.data_ptr(), v.data_ptr(), pool.data_ptr()
     block.k_offset, block.v_offset, block.page_stride = k_offset, v_offset, page_stride
@@ -172,34 +266,104 @@ def launch_append(block: AppendLaunch, k: torch.Tensor, v: torch.Tensor, pool: t
 
 # -- the same launches as custom ops (what torch.compile and torch.export see) -----------------------------------
 
+
 @torch.library.custom_op("pagedwindow::prefill_hd256", mutates_args=("out", "lse"))
-def prefill_hd256(q: torch.Tensor, pool: torch.Tensor, plan_buffer: torch.Tensor, out: torch.Tensor,
-                  lse: torch.Tensor | None, k_offset: int, v_offset: int, page_stride: int, page_size: int,
-                  num_qo_heads: int, num_kv_heads: int, segment_offsets: list[int], grid_tiles: int,
-                  cta_tile_q: int, sm_scale: float, window_left: int) -> None:
+def prefill_hd256(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    plan_buffer: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor | None,
+    k_offset: int,
+    v_offset: int,
+    page_stride: int,
+    page_size: int,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    segment_offsets: list[int],
+    grid_tiles: int,
+    cta_tile_q: int,
+    sm_scale: float,
+    window_left: int,
+) -> None:
     """Windowed paged prefill, bf16, head_dim 256. Inputs are validated by ``pagedwindow.api``."""
-    block = prefill_block(plan_buffer, segment_offsets, page_size=page_size, num_qo_heads=num_qo_heads,
-                          num_kv_heads=num_kv_heads, grid_tiles=grid_tiles, cta_tile_q=cta_tile_q)
+    block = prefill_block(
+        plan_buffer,
+        segment_offsets,
+        page_size=page_size,
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads,
+        grid_tiles=grid_tiles,
+        cta_tile_q=cta_tile_q,
+    )
     launch_prefill(block, q, pool, out, lse, k_offset, v_offset, page_stride, sm_scale, window_left)
 
 
 @prefill_hd256.register_fake
-def _(q, pool, plan_buffer, out, lse, k_offset, v_offset, page_stride, page_size, num_qo_heads, num_kv_heads,
-      segment_offsets, grid_tiles, cta_tile_q, sm_scale, window_left) -> None:
+def _(
+    q,
+    pool,
+    plan_buffer,
+    out,
+    lse,
+    k_offset,
+    v_offset,
+    page_stride,
+    page_size,
+    num_qo_heads,
+    num_kv_heads,
+    segment_offsets,
+    grid_tiles,
+    cta_tile_q,
+    sm_scale,
+    window_left,
+) -> None:
     return None
 
 
 @torch.library.custom_op("pagedwindow::append_paged_kv", mutates_args=("pool",))
-def append_paged_kv(k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, plan_buffer: torch.Tensor,
-                    k_offset: int, v_offset: int, page_stride: int, page_size: int, num_kv_heads: int,
-                    head_dim: int, segment_offsets: list[int], batch_capacity: int, token_capacity: int) -> None:
+def append_paged_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: torch.Tensor,
+    plan_buffer: torch.Tensor,
+    k_offset: int,
+    v_offset: int,
+    page_stride: int,
+    page_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    segment_offsets: list[int],
+    batch_capacity: int,
+    token_capacity: int,
+) -> None:
     """Scatter the plan's new K/V rows into their pool slots (a bit-exact copy)."""
-    block = append_block(plan_buffer, segment_offsets, page_size=page_size, num_kv_heads=num_kv_heads,
-                         head_dim=head_dim, batch_capacity=batch_capacity, token_capacity=token_capacity)
+    block = append_block(
+        plan_buffer,
+        segment_offsets,
+        page_size=page_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        batch_capacity=batch_capacity,
+        token_capacity=token_capacity,
+    )
     launch_append(block, k, v, pool, k_offset, v_offset, page_stride)
 
 
 @append_paged_kv.register_fake
-def _(k, v, pool, plan_buffer, k_offset, v_offset, page_stride, page_size, num_kv_heads, head_dim, segment_offsets,
-      batch_capacity, token_capacity) -> None:
+def _(
+    k,
+    v,
+    pool,
+    plan_buffer,
+    k_offset,
+    v_offset,
+    page_stride,
+    page_size,
+    num_kv_heads,
+    head_dim,
+    segment_offsets,
+    batch_capacity,
+    token_capacity,
+) -> None:
     return None

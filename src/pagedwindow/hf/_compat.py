@@ -167,18 +167,22 @@ def attention_geometry(model) -> list[LayerGeometry]:
         k_proj = getattr(module, "k_proj", None)
         head_dim = int(module.head_dim)
         if k_proj is None:
-            raise PagedWindowError(f"layer {module.layer_idx} shares another layer's K/V (num_kv_shared_layers > 0):"
-                                   " not supported by the pagedwindow HF integration")
+            raise PagedWindowError(
+                f"layer {module.layer_idx} shares another layer's K/V (num_kv_shared_layers > 0):"
+                " not supported by the pagedwindow HF integration"
+            )
         layer_type = getattr(module, "layer_type", None) or model.config.layer_types[module.layer_idx]
-        out.append(LayerGeometry(
-            layer_idx=int(module.layer_idx),
-            layer_type=layer_type,
-            num_qo_heads=q_out // head_dim,
-            num_kv_heads=k_proj.out_features // head_dim,
-            head_dim=head_dim,
-            sliding_window=getattr(module, "sliding_window", None),
-            scaling=float(module.scaling),
-        ))
+        out.append(
+            LayerGeometry(
+                layer_idx=int(module.layer_idx),
+                layer_type=layer_type,
+                num_qo_heads=q_out // head_dim,
+                num_kv_heads=k_proj.out_features // head_dim,
+                head_dim=head_dim,
+                sliding_window=getattr(module, "sliding_window", None),
+                scaling=float(module.scaling),
+            )
+        )
     return out
 
 

@@ -107,14 +107,20 @@ def _capture_attention(module, query, key, value, attention_mask, **kwargs):
         outputs[impl] = out.detach().clone()
     layer_type = getattr(module, "layer_type", None) or module.config.layer_types[module.layer_idx]
     pos = kwargs.get("position_ids")
-    ctx.capture.calls.append(LayerCall(
-        layer_idx=int(module.layer_idx), layer_type=layer_type,
-        q=query.detach().clone(), k=key.detach().clone(), v=value.detach().clone(), outputs=outputs,
-        scaling=float(kwargs["scaling"]) if kwargs.get("scaling") is not None else float(module.scaling),
-        sliding_window=kwargs.get("sliding_window"),
-        position_ids=pos.detach().clone() if isinstance(pos, torch.Tensor) else None,
-        driver=ctx.impls[0],
-    ))
+    ctx.capture.calls.append(
+        LayerCall(
+            layer_idx=int(module.layer_idx),
+            layer_type=layer_type,
+            q=query.detach().clone(),
+            k=key.detach().clone(),
+            v=value.detach().clone(),
+            outputs=outputs,
+            scaling=float(kwargs["scaling"]) if kwargs.get("scaling") is not None else float(module.scaling),
+            sliding_window=kwargs.get("sliding_window"),
+            position_ids=pos.detach().clone() if isinstance(pos, torch.Tensor) else None,
+            driver=ctx.impls[0],
+        )
+    )
     return outputs[ctx.impls[0]], None
 
 
@@ -124,8 +130,9 @@ def register_capture() -> str:
 
 
 @torch.no_grad()
-def capture_attention(model, input_ids: torch.Tensor, *, driver: str = "eager", compare=("sdpa",),
-                      **forward_kwargs) -> AttentionCapture:
+def capture_attention(
+    model, input_ids: torch.Tensor, *, driver: str = "eager", compare=("sdpa",), **forward_kwargs
+) -> AttentionCapture:
     """Run ``model(input_ids)`` once under ``driver`` and capture every layer's attention inputs and outputs.
 
     input_ids: ``[B, S]`` (use B = 1 per prompt: no padding). ``compare``: implementations evaluated on the same

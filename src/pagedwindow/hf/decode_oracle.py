@@ -58,23 +58,43 @@ class DecodeCase:
         if not 1 <= self.min_clear_steps <= compared:
             raise PagedWindowError(
                 f"DecodeCase {self.name!r}: min_clear_steps = {self.min_clear_steps} must be in [1, {compared}] "
-                f"(the steps compared: {len(self.prompt_lens)} prompt(s) x {self.max_new_tokens} steps)")
+                f"(the steps compared: {len(self.prompt_lens)} prompt(s) x {self.max_new_tokens} steps)"
+            )
 
 
 def default_decode_cases(sliding_window: int = 16) -> list[DecodeCase]:
     w = sliding_window
     return [
         DecodeCase("window_crossing", (w - 6,), w + 4, description="decode crosses the window edge"),
-        DecodeCase("chunked_prefill", (2 * w + 5,), w + 4, ((w + 4, w + 1),), page_size=5,
-                   description="prompt fed in two chunks (second at start_pos > 0), then decode"),
-        DecodeCase("batch_ragged", (5, 2 * w - 3, w), w // 2 + 2, page_size=3,
-                   description="a batch of prompts of different lengths"),
+        DecodeCase(
+            "chunked_prefill",
+            (2 * w + 5,),
+            w + 4,
+            ((w + 4, w + 1),),
+            page_size=5,
+            description="prompt fed in two chunks (second at start_pos > 0), then decode",
+        ),
+        DecodeCase(
+            "batch_ragged",
+            (5, 2 * w - 3, w),
+            w // 2 + 2,
+            page_size=3,
+            description="a batch of prompts of different lengths",
+        ),
     ]
 
 
 @torch.no_grad()
-def step_logits(model, prompts: list, *, continuations: list | None = None, max_new_tokens: int | None = None,
-                prefill_chunks=None, use_cache: bool = False, pad_token_id: int = 0) -> tuple:
+def step_logits(
+    model,
+    prompts: list,
+    *,
+    continuations: list | None = None,
+    max_new_tokens: int | None = None,
+    prefill_chunks=None,
+    use_cache: bool = False,
+    pad_token_id: int = 0,
+) -> tuple:
     """Step a batch through ``model`` with explicit 2D masks and positions: the prompts (in ``prefill_chunks``,
     left-padded per step), then one token per step.
 
@@ -105,8 +125,12 @@ def step_logits(model, prompts: list, *, continuations: list | None = None, max_
 
     def forward(ids, valid, pos):
         mask_cols.append(valid)
-        kwargs = {"input_ids": ids, "attention_mask": torch.cat(mask_cols, dim=1).long(), "position_ids": pos,
-                  "use_cache": use_cache}
+        kwargs = {
+            "input_ids": ids,
+            "attention_mask": torch.cat(mask_cols, dim=1).long(),
+            "position_ids": pos,
+            "use_cache": use_cache,
+        }
         if cache is not None:
             kwargs[ckw] = cache
         return model(**kwargs).logits
@@ -118,9 +142,9 @@ def step_logits(model, prompts: list, *, continuations: list | None = None, max_
         pos = torch.zeros((bsz, width), dtype=torch.long, device=device)
         for i in range(bsz):
             if n[i]:
-                ids[i, width - n[i]:] = torch.tensor(prompts[i][fed[i]: fed[i] + n[i]], device=device)
-                valid[i, width - n[i]:] = True
-                pos[i, width - n[i]:] = torch.arange(fed[i], fed[i] + n[i], device=device)
+                ids[i, width - n[i] :] = torch.tensor(prompts[i][fed[i] : fed[i] + n[i]], device=device)
+                valid[i, width - n[i] :] = True
+                pos[i, width - n[i] :] = torch.arange(fed[i], fed[i] + n[i], device=device)
         out = forward(ids, valid, pos)
         for i in range(bsz):
             fed[i] += n[i]
@@ -147,10 +171,17 @@ def hf_generate(model, prompt: list, max_new_tokens: int, *, impl: str = "eager"
     EOS does not stop it (``eos_token_id=None``): exactly ``max_new_tokens`` steps."""
     _, device = model_dtype_device(model)
     with attention_implementation(model, impl):
-        out = model.generate(torch.tensor([prompt], device=device), attention_mask=torch.ones(
-            1, len(prompt), dtype=torch.long, device=device), max_new_tokens=max_new_tokens, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, eos_token_id=None, pad_token_id=0)
-    tokens = out.sequences[0, len(prompt):].tolist()
+        out = model.generate(
+            torch.tensor([prompt], device=device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
     if len(tokens) != max_new_tokens or len(out.logits) != max_new_tokens:
         raise PagedWindowError(f"generate returned {len(tokens)} tokens for max_new_tokens={max_new_tokens}")
     return tokens, torch.stack([x[0].float().cpu() for x in out.logits])
@@ -164,10 +195,16 @@ def _generate_batch(model, prompts: list, max_new_tokens: int, pad_token_id: int
     ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long, device=device)
     mask = torch.zeros((len(prompts), width), dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
-        ids[i, width - len(p):] = torch.tensor(p, device=device)
-        mask[i, width - len(p):] = 1
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                         eos_token_id=None, pad_token_id=pad_token_id)
+        ids[i, width - len(p) :] = torch.tensor(p, device=device)
+        mask[i, width - len(p) :] = 1
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=pad_token_id,
+    )
     return [out[i, width:].tolist() for i in range(len(prompts))]
 
 
@@ -192,10 +229,21 @@ class RequestDecode:
     first_unclear: int  # first step with an unclear margin (N if none)
 
     def rows(self, request: int) -> list:
-        return [{"request": request, "step": s, "hf_token": self.hf_tokens[s], "ours_token": self.ours_tokens[s],
-                 "ours_tf_argmax": self.ours_tf_argmax[s], "logit_err": self.logit_err[s],
-                 "floor_err": self.floor_err[s], "margin": self.margin[s], "clear": self.clear[s], "tol": self.tol}
-                for s in range(len(self.hf_tokens))]
+        return [
+            {
+                "request": request,
+                "step": s,
+                "hf_token": self.hf_tokens[s],
+                "ours_token": self.ours_tokens[s],
+                "ours_tf_argmax": self.ours_tf_argmax[s],
+                "logit_err": self.logit_err[s],
+                "floor_err": self.floor_err[s],
+                "margin": self.margin[s],
+                "clear": self.clear[s],
+                "tol": self.tol,
+            }
+            for s in range(len(self.hf_tokens))
+        ]
 
 
 @dataclass
@@ -222,14 +270,17 @@ class DecodeResult:
         out = []
         for i, r in enumerate(self.requests):
             if not r.logits_gate.passed:
-                out.append(f"request {i}: logits {r.logits_gate.rule} fails: "
-                           f"{r.logits_gate.value:.3g} > {r.logits_gate.limit:.3g}")
+                out.append(
+                    f"request {i}: logits {r.logits_gate.rule} fails: "
+                    f"{r.logits_gate.value:.3g} > {r.logits_gate.limit:.3g}"
+                )
             bad = [s for s, (a, t, c) in enumerate(zip(r.ours_tf_argmax, r.hf_tokens, r.clear)) if c and a != t]
             if bad:
                 out.append(f"request {i}: teacher-forced token differs from HF's at clear-margin steps {bad}")
             if not r.free_tokens_ok:
-                out.append(f"request {i}: free-running tokens part from HF's before the first unclear step "
-                           f"({r.first_unclear})")
+                out.append(
+                    f"request {i}: free-running tokens part from HF's before the first unclear step ({r.first_unclear})"
+                )
         if not self.requests:
             out.append("no request was compared")
         return out
@@ -243,9 +294,11 @@ class DecodeResult:
         """Why the tokens were not tested enough (None when conclusive)."""
         if self.conclusive:
             return None
-        return (f"inconclusive: only {self.clear_steps} of {self.compared_steps} teacher-forced steps have a clear "
-                f"HF margin (top1 - top2 > 2 * tol), fewer than min_clear_steps = {self.case.min_clear_steps}: "
-                "the token check tested too little")
+        return (
+            f"inconclusive: only {self.clear_steps} of {self.compared_steps} teacher-forced steps have a clear "
+            f"HF margin (top1 - top2 > 2 * tol), fewer than min_clear_steps = {self.case.min_clear_steps}: "
+            "the token check tested too little"
+        )
 
     @property
     def verdict(self) -> str:
@@ -268,18 +321,32 @@ class DecodeResult:
         return out
 
     def summary(self) -> list:
-        return [{"case": self.case.name, "request": i, "prompt_len": len(r.prompt), "dtype": self.dtype,
-                 "backend": self.backend, "ours_max_abs": r.logits.max_abs, "ours_max_rel": r.logits.max_rel,
-                 "floor_max_abs": r.floor.max_abs, "floor_max_rel": r.floor.max_rel,
-                 **{f"gate_{k}": v for k, v in asdict(r.logits_gate).items()},
-                 "clear_steps": sum(r.clear), "steps": len(r.clear), "tf_tokens_ok": r.tf_tokens_ok,
-                 "free_tokens_ok": r.free_tokens_ok, "first_unclear": r.first_unclear}
-                for i, r in enumerate(self.requests)]
+        return [
+            {
+                "case": self.case.name,
+                "request": i,
+                "prompt_len": len(r.prompt),
+                "dtype": self.dtype,
+                "backend": self.backend,
+                "ours_max_abs": r.logits.max_abs,
+                "ours_max_rel": r.logits.max_rel,
+                "floor_max_abs": r.floor.max_abs,
+                "floor_max_rel": r.floor.max_rel,
+                **{f"gate_{k}": v for k, v in asdict(r.logits_gate).items()},
+                "clear_steps": sum(r.clear),
+                "steps": len(r.clear),
+                "tf_tokens_ok": r.tf_tokens_ok,
+                "free_tokens_ok": r.free_tokens_ok,
+                "first_unclear": r.first_unclear,
+            }
+            for i, r in enumerate(self.requests)
+        ]
 
 
 @torch.no_grad()
-def run_decode_case(model, case: DecodeCase, *, backend: str = "auto", seed: int = 0,
-                    prompts: list | None = None) -> DecodeResult:
+def run_decode_case(
+    model, case: DecodeCase, *, backend: str = "auto", seed: int = 0, prompts: list | None = None
+) -> DecodeResult:
     """Run one :class:`DecodeCase` (see the module docstring). The model's attention is restored afterwards."""
     dtype, _ = model_dtype_device(model)
     if prompts is None:
@@ -287,12 +354,14 @@ def run_decode_case(model, case: DecodeCase, *, backend: str = "auto", seed: int
     n = case.max_new_tokens
     hf = [hf_generate(model, p, n, impl="eager") for p in prompts]
     with attention_implementation(model, "sdpa"):
-        floor = [step_logits(model, [p], continuations=[toks], use_cache=True)[1][0]
-                 for p, (toks, _) in zip(prompts, hf)]
+        floor = [
+            step_logits(model, [p], continuations=[toks], use_cache=True)[1][0] for p, (toks, _) in zip(prompts, hf)
+        ]
     hf_previous = model.config._attn_implementation
     with pagedwindow_attention(model, backend=backend, page_size=case.page_size, seed=seed) as session:
-        _, ours_tf = step_logits(model, prompts, continuations=[t for t, _ in hf],
-                                 prefill_chunks=case.prefill_chunks, use_cache=False)
+        _, ours_tf = step_logits(
+            model, prompts, continuations=[t for t, _ in hf], prefill_chunks=case.prefill_chunks, use_cache=False
+        )
         if case.prefill_chunks is None:
             ours_free = _generate_batch(model, prompts, n)
         else:
@@ -311,13 +380,23 @@ def run_decode_case(model, case: DecodeCase, *, backend: str = "auto", seed: int
         clear = [margin_is_clear(m, tol) for m in margins]
         argmax = torch.argmax(ours, dim=-1).tolist()
         first_unclear = next((s for s, c in enumerate(clear) if not c), n)
-        result.requests.append(RequestDecode(
-            prompt=list(prompt), hf_tokens=hf_tokens, ours_tokens=ours_free[i], ours_tf_argmax=argmax,
-            logit_err=(ours.double() - hf_logits.double()).abs().amax(dim=-1).tolist(),
-            floor_err=(sdpa.double() - hf_logits.double()).abs().amax(dim=-1).tolist(),
-            margin=margins, clear=clear, tol=tol, logits=stats, floor=floor_stats, logits_gate=g,
-            tf_tokens_ok=all(a == t for a, t, c in zip(argmax, hf_tokens, clear) if c),
-            free_tokens_ok=ours_free[i][:first_unclear] == hf_tokens[:first_unclear],
-            first_unclear=first_unclear,
-        ))
+        result.requests.append(
+            RequestDecode(
+                prompt=list(prompt),
+                hf_tokens=hf_tokens,
+                ours_tokens=ours_free[i],
+                ours_tf_argmax=argmax,
+                logit_err=(ours.double() - hf_logits.double()).abs().amax(dim=-1).tolist(),
+                floor_err=(sdpa.double() - hf_logits.double()).abs().amax(dim=-1).tolist(),
+                margin=margins,
+                clear=clear,
+                tol=tol,
+                logits=stats,
+                floor=floor_stats,
+                logits_gate=g,
+                tf_tokens_ok=all(a == t for a, t, c in zip(argmax, hf_tokens, clear) if c),
+                free_tokens_ok=ours_free[i][:first_unclear] == hf_tokens[:first_unclear],
+                first_unclear=first_unclear,
+            )
+        )
     return result

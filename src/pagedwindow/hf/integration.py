@@ -60,16 +60,28 @@ def paged_mask(*, batch_size=None, q_length=None, attention_mask=None, **_ignore
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
         raise PagedWindowError(
             f"{ATTN_IMPL}: expected HF's 2D padding mask, got {type(attention_mask).__name__} "
-            f"{tuple(getattr(attention_mask, 'shape', ()))}")
+            f"{tuple(getattr(attention_mask, 'shape', ()))}"
+        )
     if q_length is None or attention_mask.shape[1] < q_length:
         raise PagedWindowError(f"{ATTN_IMPL}: 2D mask {tuple(attention_mask.shape)} shorter than q_len {q_length}")
-    valid = attention_mask[:, attention_mask.shape[1] - q_length:].to(torch.bool)
+    valid = attention_mask[:, attention_mask.shape[1] - q_length :].to(torch.bool)
     return PagedRows(None if bool(valid.all()) else valid)
 
 
-def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask,
-                            *, scaling=None, sliding_window=None, dropout=0.0, softcap=None, position_ids=None,
-                            **kwargs):
+def paged_attention_forward(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    *,
+    scaling=None,
+    sliding_window=None,
+    dropout=0.0,
+    softcap=None,
+    position_ids=None,
+    **kwargs,
+):
     """HF attention-interface function: ``query [B, Hq, S, D]``, ``key/value [B, Hkv, Skv >= S, D]`` ->
     ``([B, S, Hq, D], None)``. Only the last S rows of key/value are used (the new tokens)."""
     session = getattr(module, "_pagedwindow_session", None)
@@ -86,10 +98,19 @@ def paged_attention_forward(module, query: torch.Tensor, key: torch.Tensor, valu
     if attention_mask is not None and not isinstance(attention_mask, PagedRows):
         raise PagedWindowError(
             f"{ATTN_IMPL}: attention_mask is a {type(attention_mask).__name__}, not the PagedRows our mask builder "
-            "returns (a mask prepared for another implementation?)")
+            "returns (a mask prepared for another implementation?)"
+        )
     valid = attention_mask.valid if attention_mask is not None else None
-    out = session.attend(int(module.layer_idx), query, key, value, valid=valid, position_ids=position_ids,
-                         sm_scale=float(scaling), sliding_window=sliding_window)
+    out = session.attend(
+        int(module.layer_idx),
+        query,
+        key,
+        value,
+        valid=valid,
+        position_ids=position_ids,
+        sm_scale=float(scaling),
+        sliding_window=sliding_window,
+    )
     return out, None
 
 
@@ -104,8 +125,14 @@ class PagedWindowSession:
     def __init__(self, model, *, backend: str, page_size: int, seed: int, initial_pages: int, poison: bool):
         self.model = model
         self.geometry = attention_geometry(model)
-        self.state = PagedKvState([(g.num_kv_heads, g.head_dim) for g in self.geometry], page_size=page_size,
-                                  backend=backend, seed=seed, initial_pages=initial_pages, poison=poison)
+        self.state = PagedKvState(
+            [(g.num_kv_heads, g.head_dim) for g in self.geometry],
+            page_size=page_size,
+            backend=backend,
+            seed=seed,
+            initial_pages=initial_pages,
+            poison=poison,
+        )
         self.backend = backend
         self.previous_impl = model.config._attn_implementation
         self.forward_steps = 0
@@ -121,7 +148,8 @@ class PagedWindowSession:
             if cache is not None and getattr(cache, "is_compileable", False):
                 raise PagedWindowError(
                     f"{ATTN_IMPL}: {type(cache).__name__} is a static/compileable cache; its key tensor does not "
-                    "end with the new rows. Use the default DynamicCache or use_cache=False")
+                    "end with the new rows. Use the default DynamicCache or use_cache=False"
+                )
         self._step_pending = True
         self.forward_steps += 1
 
@@ -162,7 +190,8 @@ class PagedWindowSession:
                     raise PagedWindowError(
                         f"{ATTN_IMPL}: request {b} holds {self.state.kv_lens[b]} tokens, so its new rows sit at "
                         f"positions {want[:3]}..., but HF passed position_ids {p[:3]}... (a skipped or repeated "
-                        "step? with padding, pass position_ids as generate derives them: cumsum(mask) - 1)")
+                        "step? with padding, pass position_ids as generate derives them: cumsum(mask) - 1)"
+                    )
         self.state.begin_step(seq)
         self._rows = rows
         self._step_pending = False
@@ -173,35 +202,48 @@ class PagedWindowSession:
             raise PagedWindowError(f"{ATTN_IMPL}: layer {layer} got {key.shape[2]} keys for {s} new rows")
         if self._step_pending or self.state.step is None:
             self._begin_step(query, valid, position_ids)
-        elif self._rows is not None and (len(self._rows) != bsz or
-                                         sum(int(r.numel()) for r in self._rows) != self.state.step.total_tokens):
+        elif self._rows is not None and (
+            len(self._rows) != bsz or sum(int(r.numel()) for r in self._rows) != self.state.step.total_tokens
+        ):
             raise PagedWindowError(f"{ATTN_IMPL}: layer {layer} query batch differs from the step's")
-        new_k = key[:, :, key.shape[2] - s:]
-        new_v = value[:, :, value.shape[2] - s:]
+        new_k = key[:, :, key.shape[2] - s :]
+        new_v = value[:, :, value.shape[2] - s :]
         step = self.state.step
         act = step.active
         q = torch.cat([query[b].transpose(0, 1)[self._rows[b]] for b in act]) if act else query.new_empty(0, hq, d)
-        k = torch.cat([new_k[b].transpose(0, 1)[self._rows[b]] for b in act]) if act else \
-            key.new_empty(0, key.shape[1], d)
-        v = torch.cat([new_v[b].transpose(0, 1)[self._rows[b]] for b in act]) if act else \
-            value.new_empty(0, value.shape[1], d)
-        out_rows = self.state.attend(layer, q, k, v, sm_scale=sm_scale,
-                                     window_left=window_left_from_sliding_window(sliding_window))
+        k = (
+            torch.cat([new_k[b].transpose(0, 1)[self._rows[b]] for b in act])
+            if act
+            else key.new_empty(0, key.shape[1], d)
+        )
+        v = (
+            torch.cat([new_v[b].transpose(0, 1)[self._rows[b]] for b in act])
+            if act
+            else value.new_empty(0, value.shape[1], d)
+        )
+        out_rows = self.state.attend(
+            layer, q, k, v, sm_scale=sm_scale, window_left=window_left_from_sliding_window(sliding_window)
+        )
         out = query.new_zeros(bsz, s, hq, d)
         at = 0
         for b in act:
             n = step.seq[b]
-            out[b, self._rows[b]] = out_rows[at: at + n].to(out.dtype)
+            out[b, self._rows[b]] = out_rows[at : at + n].to(out.dtype)
             at += n
         return out
 
     def describe(self) -> dict:
-        return {"backend": self.backend, "forward_steps": self.forward_steps, "resets": self.resets,
-                "state": self.state.describe()}
+        return {
+            "backend": self.backend,
+            "forward_steps": self.forward_steps,
+            "resets": self.resets,
+            "state": self.state.describe(),
+        }
 
 
-def use_pagedwindow(model, *, backend: str = "auto", page_size: int = 16, seed: int = 0, initial_pages: int = 64,
-                    poison: bool = True) -> PagedWindowSession:
+def use_pagedwindow(
+    model, *, backend: str = "auto", page_size: int = 16, seed: int = 0, initial_pages: int = 64, poison: bool = True
+) -> PagedWindowSession:
     """Make ``model`` run every attention layer through pagedwindow; returns the session (its paged state).
 
     backend: "reference" | "cuda" | "auto" (pagedwindow's). page_size: tokens per page. seed: page shuffling.
@@ -214,8 +256,9 @@ def use_pagedwindow(model, *, backend: str = "auto", page_size: int = 16, seed: 
         raise PagedWindowError("use_pagedwindow: models with num_kv_shared_layers > 0 are not supported")
     if model.training:
         raise PagedWindowError("use_pagedwindow: put the model in eval mode first")
-    session = PagedWindowSession(model, backend=backend, page_size=page_size, seed=seed,
-                                 initial_pages=initial_pages, poison=poison)
+    session = PagedWindowSession(
+        model, backend=backend, page_size=page_size, seed=seed, initial_pages=initial_pages, poison=poison
+    )
     modules = attention_modules(model)
     for m in modules:
         m._pagedwindow_session = session

@@ -53,16 +53,36 @@ def default_layer_cases(sliding_window: int = 16) -> list[LayerCase]:
     return [
         LayerCase("short", (w - 6,), 16, description="prompt shorter than the window"),
         LayerCase("crossing", (3 * w + 5,), 16, description="prompt crossing the window several times"),
-        LayerCase("chunked", (2 * w + 13,), 16, ((w + 7, w + 6),),
-                  description="chunked prefill: second step on a cached prefix (start_pos > 0)"),
-        LayerCase("decode_steps", (w + 8,), 16, ((w + 4, 1, 1, 1, 1),),
-                  description="prefill then single-row steps past the window edge"),
+        LayerCase(
+            "chunked",
+            (2 * w + 13,),
+            16,
+            ((w + 7, w + 6),),
+            description="chunked prefill: second step on a cached prefix (start_pos > 0)",
+        ),
+        LayerCase(
+            "decode_steps",
+            (w + 8,),
+            16,
+            ((w + 4, 1, 1, 1, 1),),
+            description="prefill then single-row steps past the window edge",
+        ),
         LayerCase("page5", (2 * w + 9,), 5, description="page_size 5 does not divide the window"),
-        LayerCase("page3_chunked", (2 * w + 5,), 3, ((w + 1, w + 4),),
-                  description="page_size 3, chunked, window edge inside pages"),
+        LayerCase(
+            "page3_chunked",
+            (2 * w + 5,),
+            3,
+            ((w + 1, w + 4),),
+            description="page_size 3, chunked, window edge inside pages",
+        ),
         LayerCase("page1", (w + 5,), 1, description="page_size 1"),
-        LayerCase("ragged_batch", (7, 2 * w + 1, w + 2, 1), 5, ((3, 4), (w, 1, w), (w + 2,), (1,)),
-                  description="ragged batch of prompts, mixed chunking, one single-token prompt"),
+        LayerCase(
+            "ragged_batch",
+            (7, 2 * w + 1, w + 2, 1),
+            5,
+            ((3, 4), (w, 1, w), (w + 2,), (1,)),
+            description="ragged batch of prompts, mixed chunking, one single-token prompt",
+        ),
     ]
 
 
@@ -85,8 +105,14 @@ class LayerError:
 
     def row(self) -> dict:
         """A flat dict (one table row) for notebooks / CSV."""
-        out = {"case": self.case, "layer": self.layer, "layer_type": self.layer_type,
-               "window_left": self.window_left, "sm_scale": self.sm_scale, "tokens": self.tokens}
+        out = {
+            "case": self.case,
+            "layer": self.layer,
+            "layer_type": self.layer_type,
+            "window_left": self.window_left,
+            "sm_scale": self.sm_scale,
+            "tokens": self.tokens,
+        }
         for name in ("ours", "floor", "ours_vs_truth", "eager_vs_truth", "sdpa_vs_truth"):
             stats = getattr(self, name)
             out[f"{name}_max_abs"] = stats.max_abs
@@ -118,8 +144,9 @@ class LayerCaseResult:
 
 
 @torch.no_grad()
-def run_layer_case(model, case: LayerCase, *, backend: str = "auto", seed: int = 0,
-                   prompts: list | None = None) -> LayerCaseResult:
+def run_layer_case(
+    model, case: LayerCase, *, backend: str = "auto", seed: int = 0, prompts: list | None = None
+) -> LayerCaseResult:
     """Run one :class:`LayerCase` on ``model`` (any dtype / device). See the module docstring."""
     dtype, device = model_dtype_device(model)
     geometry = attention_geometry(model)
@@ -127,10 +154,12 @@ def run_layer_case(model, case: LayerCase, *, backend: str = "auto", seed: int =
         prompts = random_prompts(case.prompt_lens, vocab_size=model.config.vocab_size, seed=seed)
     if [len(p) for p in prompts] != list(case.prompt_lens):
         raise PagedWindowError(f"case {case.name}: prompt lengths {[len(p) for p in prompts]} != {case.prompt_lens}")
-    captures = [capture_attention(model, torch.tensor([p], device=device), driver="eager", compare=("sdpa",))
-                for p in prompts]
-    state = PagedKvState([(g.num_kv_heads, g.head_dim) for g in geometry], page_size=case.page_size,
-                         backend=backend, seed=seed)
+    captures = [
+        capture_attention(model, torch.tensor([p], device=device), driver="eager", compare=("sdpa",)) for p in prompts
+    ]
+    state = PagedKvState(
+        [(g.num_kv_heads, g.head_dim) for g in geometry], page_size=case.page_size, backend=backend, seed=seed
+    )
     state.reset(len(prompts))
     ours_rows = [[[] for _ in geometry] for _ in prompts]  # request -> layer -> list of [n, Hq, D]
     result = LayerCaseResult(case=case, dtype=str(dtype).replace("torch.", ""), backend=backend)
@@ -141,16 +170,13 @@ def run_layer_case(model, case: LayerCase, *, backend: str = "auto", seed: int =
             window_left = window_left_from_sliding_window(calls[0].sliding_window)
             sm_scale = calls[0].scaling
             act = step.active
-            q = torch.cat([calls[i].q[0, :, step.start[i]: step.start[i] + step.seq[i]].transpose(0, 1)
-                           for i in act])
-            k = torch.cat([calls[i].k[0, :, step.start[i]: step.start[i] + step.seq[i]].transpose(0, 1)
-                           for i in act])
-            v = torch.cat([calls[i].v[0, :, step.start[i]: step.start[i] + step.seq[i]].transpose(0, 1)
-                           for i in act])
+            q = torch.cat([calls[i].q[0, :, step.start[i] : step.start[i] + step.seq[i]].transpose(0, 1) for i in act])
+            k = torch.cat([calls[i].k[0, :, step.start[i] : step.start[i] + step.seq[i]].transpose(0, 1) for i in act])
+            v = torch.cat([calls[i].v[0, :, step.start[i] : step.start[i] + step.seq[i]].transpose(0, 1) for i in act])
             out = state.attend(g.layer_idx, q, k, v, sm_scale=sm_scale, window_left=window_left)
             at = 0
             for i in act:
-                ours_rows[i][g.layer_idx].append(out[at: at + step.seq[i]])
+                ours_rows[i][g.layer_idx].append(out[at : at + step.seq[i]])
                 at += step.seq[i]
         plan = state.plan_for(geometry[0].num_qo_heads, geometry[0].num_kv_heads, geometry[0].head_dim)
         result.plan_summaries.append(plan.to_dict())
@@ -163,9 +189,13 @@ def run_layer_case(model, case: LayerCase, *, backend: str = "auto", seed: int =
             ours = torch.cat(ours_rows[i][g.layer_idx])  # [L, Hq, D]
             eager = call.outputs["eager"][0]  # [L, Hq, D]
             sdpa = call.outputs["sdpa"][0]
-            truth = dense_attention_of_request(call.q[0].transpose(0, 1), call.k[0].transpose(0, 1),
-                                               call.v[0].transpose(0, 1), sm_scale=call.scaling,
-                                               window_left=window_left)
+            truth = dense_attention_of_request(
+                call.q[0].transpose(0, 1),
+                call.k[0].transpose(0, 1),
+                call.v[0].transpose(0, 1),
+                sm_scale=call.scaling,
+                window_left=window_left,
+            )
             ours_all.append(ours.reshape(-1))
             eager_all.append(eager.reshape(-1))
             sdpa_all.append(sdpa.reshape(-1))
@@ -179,13 +209,20 @@ def run_layer_case(model, case: LayerCase, *, backend: str = "auto", seed: int =
         truth_cat = torch.cat(truth_all)
         ours_stats = error_stats(ours_cat, eager_cat)
         floor_stats = error_stats(sdpa_cat, eager_cat)
-        result.layers.append(LayerError(
-            case=case.name, layer=g.layer_idx, layer_type=g.layer_type, window_left=window_left,
-            sm_scale=calls[0].scaling, tokens=int(ours_cat.numel() // (g.num_qo_heads * g.head_dim)),
-            ours=ours_stats, floor=floor_stats,
-            ours_vs_truth=error_stats(ours_cat, truth_cat.to(ours_cat.device)),
-            eager_vs_truth=error_stats(eager_cat, truth_cat.to(eager_cat.device)),
-            sdpa_vs_truth=error_stats(sdpa_cat, truth_cat.to(sdpa_cat.device)),
-            gate=gate(ours_stats, floor_stats, dtype),
-        ))
+        result.layers.append(
+            LayerError(
+                case=case.name,
+                layer=g.layer_idx,
+                layer_type=g.layer_type,
+                window_left=window_left,
+                sm_scale=calls[0].scaling,
+                tokens=int(ours_cat.numel() // (g.num_qo_heads * g.head_dim)),
+                ours=ours_stats,
+                floor=floor_stats,
+                ours_vs_truth=error_stats(ours_cat, truth_cat.to(ours_cat.device)),
+                eager_vs_truth=error_stats(eager_cat, truth_cat.to(eager_cat.device)),
+                sdpa_vs_truth=error_stats(sdpa_cat, truth_cat.to(sdpa_cat.device)),
+                gate=gate(ours_stats, floor_stats, dtype),
+            )
+        )
     return result

@@ -39,16 +39,16 @@ def default_layer_types(num_layers: int, sliding_window_pattern: int = DEFAULT_S
         raise PagedWindowError(f"num_layers = {num_layers} must be >= 1")
     if sliding_window_pattern < 1:
         raise PagedWindowError(f"sliding_window_pattern = {sliding_window_pattern} must be >= 1")
-    types = ["full_attention" if (i + 1) % sliding_window_pattern == 0 else "sliding_attention"
-             for i in range(num_layers)]
+    types = [
+        "full_attention" if (i + 1) % sliding_window_pattern == 0 else "sliding_attention" for i in range(num_layers)
+    ]
     types[-1] = "full_attention"
     return types
 
 
 def _layer_types(layer_types, num_layers: int, sliding_window_pattern: int) -> list[str]:
     """The given layer types (one per layer) or :func:`default_layer_types`."""
-    types = (list(layer_types) if layer_types is not None
-             else default_layer_types(num_layers, sliding_window_pattern))
+    types = list(layer_types) if layer_types is not None else default_layer_types(num_layers, sliding_window_pattern)
     if len(types) != num_layers:
         raise PagedWindowError(f"layer_types has {len(types)} entries for num_layers = {num_layers}")
     return types
@@ -79,8 +79,9 @@ def randomize_norms(model, seed: int) -> None:
     modules = dict(model.named_modules())
     with torch.no_grad():
         for name, module in sorted(modules.items(), key=lambda item: item[0]):
-            if type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None),
-                                                                         torch.nn.Parameter):
+            if type(module).__name__.endswith("RMSNorm") and isinstance(
+                getattr(module, "weight", None), torch.nn.Parameter
+            ):
                 parent, _, last = name.rpartition(".")
                 if last in ("q_norm", "k_norm"):
                     attn = modules[parent]
@@ -111,12 +112,23 @@ def _finish(model, *, seed: int, dtype: torch.dtype, device, expect: dict):
     return model
 
 
-def gemma4_config(*, sliding_window: int | None = 16, num_layers: int = 4, layer_types: list[str] | None = None,
-                  sliding_window_pattern: int = DEFAULT_SLIDING_WINDOW_PATTERN, attn_implementation: str = "eager",
-                  vocab_size: int = 512, hidden_size: int = 256, intermediate_size: int = 512,
-                  num_attention_heads: int = 4, num_key_value_heads: int = 2, head_dim: int = 256,
-                  attention_k_eq_v: bool = True, max_position_embeddings: int = MAX_POSITION_EMBEDDINGS,
-                  tie_word_embeddings: bool = True):
+def gemma4_config(
+    *,
+    sliding_window: int | None = 16,
+    num_layers: int = 4,
+    layer_types: list[str] | None = None,
+    sliding_window_pattern: int = DEFAULT_SLIDING_WINDOW_PATTERN,
+    attn_implementation: str = "eager",
+    vocab_size: int = 512,
+    hidden_size: int = 256,
+    intermediate_size: int = 512,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 256,
+    attention_k_eq_v: bool = True,
+    max_position_embeddings: int = MAX_POSITION_EMBEDDINGS,
+    tie_word_embeddings: bool = True,
+):
     """The ``Gemma4TextConfig`` :func:`tiny_gemma4` builds from (no weights: cheap at any width).
     ``tie_word_embeddings=False`` gives the model its own random output head (see :func:`tiny_model`)."""
     require_transformers()
@@ -124,32 +136,60 @@ def gemma4_config(*, sliding_window: int | None = 16, num_layers: int = 4, layer
 
     types = _layer_types(layer_types, num_layers, sliding_window_pattern)
     return Gemma4TextConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads, head_dim=head_dim, global_head_dim=head_dim,
-        sliding_window=sliding_window if sliding_window is not None else 1 << 30, layer_types=types,
-        hidden_size_per_layer_input=0, attention_k_eq_v=attention_k_eq_v, attn_implementation=attn_implementation,
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        global_head_dim=head_dim,
+        sliding_window=sliding_window if sliding_window is not None else 1 << 30,
+        layer_types=types,
+        hidden_size_per_layer_input=0,
+        attention_k_eq_v=attention_k_eq_v,
+        attn_implementation=attn_implementation,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
     )
 
 
-def gemma3_config(*, sliding_window: int = 16, num_layers: int = 4, layer_types: list[str] | None = None,
-                  sliding_window_pattern: int = DEFAULT_SLIDING_WINDOW_PATTERN, attn_implementation: str = "eager",
-                  vocab_size: int = 512, hidden_size: int = 256, intermediate_size: int = 512,
-                  num_attention_heads: int = 4, num_key_value_heads: int = 2, head_dim: int = 256,
-                  query_pre_attn_scalar: int = 256, max_position_embeddings: int = MAX_POSITION_EMBEDDINGS,
-                  tie_word_embeddings: bool = True):
+def gemma3_config(
+    *,
+    sliding_window: int = 16,
+    num_layers: int = 4,
+    layer_types: list[str] | None = None,
+    sliding_window_pattern: int = DEFAULT_SLIDING_WINDOW_PATTERN,
+    attn_implementation: str = "eager",
+    vocab_size: int = 512,
+    hidden_size: int = 256,
+    intermediate_size: int = 512,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    head_dim: int = 256,
+    query_pre_attn_scalar: int = 256,
+    max_position_embeddings: int = MAX_POSITION_EMBEDDINGS,
+    tie_word_embeddings: bool = True,
+):
     """The ``Gemma3TextConfig`` :func:`tiny_gemma3` builds from (no weights: cheap at any width)."""
     require_transformers()
     from transformers import Gemma3TextConfig
 
     types = _layer_types(layer_types, num_layers, sliding_window_pattern)
     return Gemma3TextConfig(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_key_value_heads, head_dim=head_dim, sliding_window=sliding_window,
-        layer_types=types, query_pre_attn_scalar=query_pre_attn_scalar, attn_implementation=attn_implementation,
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim,
+        sliding_window=sliding_window,
+        layer_types=types,
+        query_pre_attn_scalar=query_pre_attn_scalar,
+        attn_implementation=attn_implementation,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
     )
 
 
@@ -165,9 +205,17 @@ def _tiny(family: str, seed: int, dtype: torch.dtype, device, kwargs: dict):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = _model_class(family)(config)
-    return _finish(model, seed=seed, dtype=dtype, device=device,
-                   expect={"num_qo_heads": config.num_attention_heads, "num_kv_heads": config.num_key_value_heads,
-                           "head_dim": config.head_dim})
+    return _finish(
+        model,
+        seed=seed,
+        dtype=dtype,
+        device=device,
+        expect={
+            "num_qo_heads": config.num_attention_heads,
+            "num_kv_heads": config.num_key_value_heads,
+            "head_dim": config.head_dim,
+        },
+    )
 
 
 def tiny_gemma4(seed: int = 0, *, dtype: torch.dtype = torch.float32, device="cpu", **config):

@@ -21,13 +21,29 @@ from .models import tiny_model
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def oracle_table(*, families=("gemma4", "gemma3"), dtypes=("float32", "bfloat16"), backend: str = "reference",
-                 device: str = "cpu", seed: int = 0, window: int = 16) -> dict:
+def oracle_table(
+    *,
+    families=("gemma4", "gemma3"),
+    dtypes=("float32", "bfloat16"),
+    backend: str = "reference",
+    device: str = "cpu",
+    seed: int = 0,
+    window: int = 16,
+) -> dict:
     """Run every default case; returns ``{"layer": [...], "decode": [...], "layer_rows": [...],
     "decode_rows": [...], "meta": {...}}`` (summary rows: the worst layer / request of each case)."""
-    out = {"layer": [], "decode": [], "layer_rows": [], "decode_rows": [],
-           "meta": {"transformers": ".".join(map(str, transformers_version())), "torch": torch.__version__,
-                    "backend": backend, "device": device}}
+    out = {
+        "layer": [],
+        "decode": [],
+        "layer_rows": [],
+        "decode_rows": [],
+        "meta": {
+            "transformers": ".".join(map(str, transformers_version())),
+            "torch": torch.__version__,
+            "backend": backend,
+            "device": device,
+        },
+    }
     for family in families:
         for dname in dtypes:
             dtype = DTYPES[dname]
@@ -39,46 +55,66 @@ def oracle_table(*, families=("gemma4", "gemma3"), dtypes=("float32", "bfloat16"
                 res = run_layer_case(model, case, backend=be, seed=seed + i)
                 worst = res.worst()
                 out["layer_rows"].extend(dict(r, family=family) for r in res.rows())
-                out["layer"].append({
-                    "family": family, "dtype": dname, "backend": be, "case": case.name, "passed": res.passed,
-                    "worst_layer": worst.layer, "layer_type": worst.layer_type,
-                    "ours_max_abs": worst.ours.max_abs, "ours_max_rel": worst.ours.max_rel,
-                    "floor_max_abs": worst.floor.max_abs, "floor_max_rel": worst.floor.max_rel,
-                    "limit": worst.gate.limit, "ours_vs_fp64": max(e.ours_vs_truth.max_abs for e in res.layers),
-                    "eager_vs_fp64": max(e.eager_vs_truth.max_abs for e in res.layers),
-                    "sdpa_vs_fp64": max(e.sdpa_vs_truth.max_abs for e in res.layers),
-                    "seconds": time.perf_counter() - t0})
+                out["layer"].append(
+                    {
+                        "family": family,
+                        "dtype": dname,
+                        "backend": be,
+                        "case": case.name,
+                        "passed": res.passed,
+                        "worst_layer": worst.layer,
+                        "layer_type": worst.layer_type,
+                        "ours_max_abs": worst.ours.max_abs,
+                        "ours_max_rel": worst.ours.max_rel,
+                        "floor_max_abs": worst.floor.max_abs,
+                        "floor_max_rel": worst.floor.max_rel,
+                        "limit": worst.gate.limit,
+                        "ours_vs_fp64": max(e.ours_vs_truth.max_abs for e in res.layers),
+                        "eager_vs_fp64": max(e.eager_vs_truth.max_abs for e in res.layers),
+                        "sdpa_vs_fp64": max(e.sdpa_vs_truth.max_abs for e in res.layers),
+                        "seconds": time.perf_counter() - t0,
+                    }
+                )
             for i, case in enumerate(default_decode_cases(window)):
                 t0 = time.perf_counter()
                 res = run_decode_case(model, case, backend=be, seed=seed + i)
                 out["decode_rows"].extend(dict(r, family=family) for r in res.rows())
                 for s in res.summary():
-                    out["decode"].append(dict(s, family=family, passed=res.passed, verdict=res.verdict,
-                                              seconds=time.perf_counter() - t0))
+                    out["decode"].append(
+                        dict(s, family=family, passed=res.passed, verdict=res.verdict, seconds=time.perf_counter() - t0)
+                    )
     return out
 
 
 def markdown(table: dict) -> str:
-    lines = [f"transformers {table['meta']['transformers']}, torch {table['meta']['torch']}, "
-             f"device {table['meta']['device']}", "",
-             "| family | dtype | backend | layer case | worst layer | ours max_abs (rel) | HF sdpa floor max_abs (rel) "
-             "| gate limit | ours / eager / sdpa vs fp64 | pass |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"transformers {table['meta']['transformers']}, torch {table['meta']['torch']}, "
+        f"device {table['meta']['device']}",
+        "",
+        "| family | dtype | backend | layer case | worst layer | ours max_abs (rel) | HF sdpa floor max_abs (rel) "
+        "| gate limit | ours / eager / sdpa vs fp64 | pass |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in table["layer"]:
         lines.append(
             f"| {r['family']} | {r['dtype']} | {r['backend']} | {r['case']} | {r['worst_layer']} "
             f"({r['layer_type'].split('_')[0]}) | {r['ours_max_abs']:.2e} ({r['ours_max_rel']:.1e}) | "
             f"{r['floor_max_abs']:.2e} ({r['floor_max_rel']:.1e}) | {r['limit']:.1e} | "
-            f"{r['ours_vs_fp64']:.1e} / {r['eager_vs_fp64']:.1e} / {r['sdpa_vs_fp64']:.1e} | {r['passed']} |")
-    lines += ["", "| family | dtype | backend | decode case | req | prompt | logits ours max_abs (rel) | "
-              "floor max_abs (rel) | gate limit | clear steps | tf tokens | free tokens | verdict |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            f"{r['ours_vs_fp64']:.1e} / {r['eager_vs_fp64']:.1e} / {r['sdpa_vs_fp64']:.1e} | {r['passed']} |"
+        )
+    lines += [
+        "",
+        "| family | dtype | backend | decode case | req | prompt | logits ours max_abs (rel) | "
+        "floor max_abs (rel) | gate limit | clear steps | tf tokens | free tokens | verdict |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in table["decode"]:
         lines.append(
             f"| {r['family']} | {r['dtype']} | {r['backend']} | {r['case']} | {r['request']} | {r['prompt_len']} | "
             f"{r['ours_max_abs']:.2e} ({r['ours_max_rel']:.1e}) | {r['floor_max_abs']:.2e} "
             f"({r['floor_max_rel']:.1e}) | {r['gate_limit']:.1e} | {r['clear_steps']}/{r['steps']} | "
-            f"{r['tf_tokens_ok']} | {r['free_tokens_ok']} | {r['verdict']} |")
+            f"{r['tf_tokens_ok']} | {r['free_tokens_ok']} | {r['verdict']} |"
+        )
     return "\n".join(lines)
 
 

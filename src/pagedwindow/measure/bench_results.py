@@ -89,10 +89,15 @@ def load_results(path) -> BenchResults:
             _number_or_null(where, name, r.get(name))
         timing.append(r)
     match = RESULTS_PATTERN.match(path.name)
-    return BenchResults(path=path, gpu=data["gpu"], peak_bf16_tflops=float(peak), records=timing,
-                        auxiliary=auxiliary, date=data.get("date") or (match.group(2) if match else None),
-                        prefill_kernel=data.get("prefill_kernel") if isinstance(data.get("prefill_kernel"), str)
-                        else None)
+    return BenchResults(
+        path=path,
+        gpu=data["gpu"],
+        peak_bf16_tflops=float(peak),
+        records=timing,
+        auxiliary=auxiliary,
+        date=data.get("date") or (match.group(2) if match else None),
+        prefill_kernel=data.get("prefill_kernel") if isinstance(data.get("prefill_kernel"), str) else None,
+    )
 
 
 def flashinfer_ratios(records: list) -> dict:
@@ -101,9 +106,16 @@ def flashinfer_ratios(records: list) -> dict:
     FlashInfer's best is the faster of fa2 / fa3 on that workload (``min`` over their times); a ratio is ``None``
     where either time is missing. Below 1: faster than FlashInfer.
     """
+
     def best(workload, key):
-        return min((r[key] for r in records if r["workload"] == workload and r["system"] in FLASHINFER_SYSTEMS
-                    and r.get(key) is not None), default=None)
+        return min(
+            (
+                r[key]
+                for r in records
+                if r["workload"] == workload and r["system"] in FLASHINFER_SYSTEMS and r.get(key) is not None
+            ),
+            default=None,
+        )
 
     def ratio(r, key):
         fi = best(r["workload"], key)
@@ -127,14 +139,23 @@ def summary_rows(results: BenchResults) -> list[dict]:
                 continue
             ms, tflops = r.get("ms"), r.get("useful_tflops")
             e2e_ratio, ms_ratio = ratios[w, s]
-            rows.append({
-                "workload": w, "system": s, "e2e_ms": r.get("e2e_ms"), "ms": ms, "plan_ms": r.get("plan_ms"),
-                "update_plan_ms": r.get("update_plan_ms"), "useful_tflops": tflops,
-                "pct_of_gemm": 100 * tflops / results.peak_bf16_tflops if tflops is not None else None,
-                "pagedwindow_speedup": ms / ours_ms if ms is not None and ours_ms else None,
-                "e2e_vs_flashinfer_best": e2e_ratio, "ms_vs_flashinfer_best": ms_ratio,
-                "max_abs_err": r.get("max_abs_err"), "status": r.get("status", "ok" if ms is not None else "missing"),
-            })
+            rows.append(
+                {
+                    "workload": w,
+                    "system": s,
+                    "e2e_ms": r.get("e2e_ms"),
+                    "ms": ms,
+                    "plan_ms": r.get("plan_ms"),
+                    "update_plan_ms": r.get("update_plan_ms"),
+                    "useful_tflops": tflops,
+                    "pct_of_gemm": 100 * tflops / results.peak_bf16_tflops if tflops is not None else None,
+                    "pagedwindow_speedup": ms / ours_ms if ms is not None and ours_ms else None,
+                    "e2e_vs_flashinfer_best": e2e_ratio,
+                    "ms_vs_flashinfer_best": ms_ratio,
+                    "max_abs_err": r.get("max_abs_err"),
+                    "status": r.get("status", "ok" if ms is not None else "missing"),
+                }
+            )
     return rows
 
 
@@ -167,8 +188,10 @@ def bench_gate(results: BenchResults, *, max_err_limit: float) -> list[str]:
             failures.append(f"{w}: pagedwindow max_abs_err {err!r} is not a finite number")
         elif "status" in r:
             if r["status"] != "ok" or (bound is not None and err > bound):
-                failures.append(f"{w}: pagedwindow output check failed in the run ({r['status']}, "
-                                f"max_abs_err {err:g}, bound {bound!r})")
+                failures.append(
+                    f"{w}: pagedwindow output check failed in the run ({r['status']}, "
+                    f"max_abs_err {err:g}, bound {bound!r})"
+                )
         elif err > bound:
             failures.append(f"{w}: pagedwindow max_abs_err {err!r} exceeds {max_err_limit:g}")
     return failures
@@ -179,11 +202,16 @@ def gate_summary(results: BenchResults, failures: list[str], *, max_err_limit: f
     bound applied to it (:func:`applied_bound`)."""
     ours = [results.record(w, "pagedwindow") for w in results.workloads]
     timed = [r for r in ours if r is not None and r.get("ms") is not None]
-    checked = [(r["max_abs_err"], applied_bound(r, max_err_limit=max_err_limit)) for r in timed
-               if isinstance(r.get("max_abs_err"), (int, float))]
+    checked = [
+        (r["max_abs_err"], applied_bound(r, max_err_limit=max_err_limit))
+        for r in timed
+        if isinstance(r.get("max_abs_err"), (int, float))
+    ]
     worst = max(checked, key=lambda eb: eb[0] / eb[1] if eb[1] else 0.0, default=None)
-    text = (f"pagedwindow timed on {len(timed)} of {len(results.workloads)} workloads of {results.path.name} "
-            f"({results.gpu}, {results.date})")
+    text = (
+        f"pagedwindow timed on {len(timed)} of {len(results.workloads)} workloads of {results.path.name} "
+        f"({results.gpu}, {results.date})"
+    )
     if worst is not None:
         bound = "its run's status only" if worst[1] is None else f"its bound {worst[1]:.3g}"
         text += f"; worst max_abs_err {worst[0]:.3g} against {bound}"

@@ -11,11 +11,18 @@ def model_kwargs(params: dict) -> dict:
     """The ``pagedwindow.hf.tiny_model`` / ``tiny_config`` keywords (less seed, dtype, device) of checked
     parameters: the MLP twice as wide as the model, a :data:`VOCAB_SIZE` vocabulary."""
     p = params
-    return {"sliding_window": p["sliding_window"], "num_layers": p["num_layers"],
-            "sliding_window_pattern": p["sliding_window_pattern"], "num_attention_heads": p["num_qo_heads"],
-            "num_key_value_heads": p["num_kv_heads"], "head_dim": p["head_dim"], "hidden_size": p["hidden_size"],
-            "intermediate_size": 2 * p["hidden_size"], "vocab_size": VOCAB_SIZE,
-            "tie_word_embeddings": p["tie_word_embeddings"]}
+    return {
+        "sliding_window": p["sliding_window"],
+        "num_layers": p["num_layers"],
+        "sliding_window_pattern": p["sliding_window_pattern"],
+        "num_attention_heads": p["num_qo_heads"],
+        "num_key_value_heads": p["num_kv_heads"],
+        "head_dim": p["head_dim"],
+        "hidden_size": p["hidden_size"],
+        "intermediate_size": 2 * p["hidden_size"],
+        "vocab_size": VOCAB_SIZE,
+        "tie_word_embeddings": p["tie_word_embeddings"],
+    }
 
 
 def decode_case(params: dict):
@@ -28,8 +35,9 @@ def decode_case(params: dict):
     lens = (p["prompt_len"], *p["extra_prompt_lens"])
     prefix = p["prefix_len"]
     chunks = tuple(prefix_chunks(n, prefix) for n in lens) if prefix else None
-    return DecodeCase("notebook", lens, p["max_new_tokens"], chunks, page_size=p["page_size"],
-                      min_clear_steps=p["min_clear_steps"])
+    return DecodeCase(
+        "notebook", lens, p["max_new_tokens"], chunks, page_size=p["page_size"], min_clear_steps=p["min_clear_steps"]
+    )
 
 
 def decode_metrics(result) -> dict:
@@ -77,5 +85,6 @@ def decode_metrics(result) -> dict:
         f"tokens equal at "
         f"{tf_clear_matches}/{clear} clear-margin steps of {steps} compared (need ≥ {result.case.min_clear_steps}"
         f" clear); free-running equal up to the first unclear step: "
-        f"{'yes' if all(r.free_tokens_ok for r in reqs) else 'no'}")
+        f"{'yes' if all(r.free_tokens_ok for r in reqs) else 'no'}"
+    )
     return metrics

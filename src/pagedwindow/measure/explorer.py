@@ -35,18 +35,46 @@ class ExplorerCase(PagedBatch):
     window_left: int
 
 
-def build_case(*, page_size: int, seq_lens, start_positions, num_qo_heads: int, num_kv_heads: int,
-               head_dim: int, window_left: int, sm_scale: float, cta_tile_q: int | None = None,
-               dtype: torch.dtype = torch.bfloat16, device="cpu", backend: str = "auto", seed: int = 0,
-               spare_pages: int = 2) -> ExplorerCase:
+def build_case(
+    *,
+    page_size: int,
+    seq_lens,
+    start_positions,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    window_left: int,
+    sm_scale: float,
+    cta_tile_q: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    device="cpu",
+    backend: str = "auto",
+    seed: int = 0,
+    spare_pages: int = 2,
+) -> ExplorerCase:
     """Build the batch (see the module docstring). Raises ``PagedWindowError`` for a plan the API refuses."""
-    batch = random_batch(torch.Generator().manual_seed(seed), seq_lens=seq_lens, start_positions=start_positions,
-                         page_size=page_size, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
-                         head_dim=head_dim, dtype=dtype, device=device, num_layers=1, layer=0,
-                         spare_pages=spare_pages, cta_tile_q=cta_tile_q, qk_std=head_dim ** -0.25)
+    batch = random_batch(
+        torch.Generator().manual_seed(seed),
+        seq_lens=seq_lens,
+        start_positions=start_positions,
+        page_size=page_size,
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        device=device,
+        num_layers=1,
+        layer=0,
+        spare_pages=spare_pages,
+        cta_tile_q=cta_tile_q,
+        qk_std=head_dim**-0.25,
+    )
     batch.append(backend=backend)
-    return ExplorerCase(**{f.name: getattr(batch, f.name) for f in fields(PagedBatch)}, sm_scale=float(sm_scale),
-                        window_left=int(window_left))
+    return ExplorerCase(
+        **{f.name: getattr(batch, f.name) for f in fields(PagedBatch)},
+        sm_scale=float(sm_scale),
+        window_left=int(window_left),
+    )
 
 
 @dataclass
@@ -81,15 +109,26 @@ class ExplorerResult:
         return out
 
 
-def run_case(case: ExplorerCase, *, backend: str = "auto", err_factor: float = 2.0,
-             err_slack: float = 1e-3) -> ExplorerResult:
+def run_case(
+    case: ExplorerCase, *, backend: str = "auto", err_factor: float = 2.0, err_slack: float = 1e-3
+) -> ExplorerResult:
     """Run ``batch_prefill_paged_window`` on ``case`` (out poisoned with NaN) and measure it (module docstring)."""
     plan = case.plan
-    out = torch.full((plan.total_tokens + SPARE_OUT_ROWS, *case.q.shape[1:]), float("nan"), dtype=case.q.dtype,
-                     device=case.q.device)
+    out = torch.full(
+        (plan.total_tokens + SPARE_OUT_ROWS, *case.q.shape[1:]), float("nan"), dtype=case.q.dtype, device=case.q.device
+    )
     with observe_backends() as launches:
-        batch_prefill_paged_window(case.q, case.pool, case.layout, case.layer, plan, sm_scale=case.sm_scale,
-                                   window_left=case.window_left, out=out, backend=backend)
+        batch_prefill_paged_window(
+            case.q,
+            case.pool,
+            case.layout,
+            case.layer,
+            plan,
+            sm_scale=case.sm_scale,
+            window_left=case.window_left,
+            out=out,
+            backend=backend,
+        )
     truth = dense_attention(case, sm_scale=case.sm_scale, window_left=case.window_left)
     plain = dense_attention(case, sm_scale=case.sm_scale, window_left=case.window_left, dtype=case.q.dtype)
     ours = out[: plan.total_tokens]
@@ -101,12 +140,18 @@ def run_case(case: ExplorerCase, *, backend: str = "auto", err_factor: float = 2
         max_err = float("inf")
     plain_err = float(plain_row_err.max()) if plain_row_err.numel() else 0.0
     return ExplorerResult(
-        backend=backend_label(launches), out=ours, row_err=row_err, plain_row_err=plain_row_err,
-        tile_err=per_tile_max(row_err, plan, spans), packed_err=packed_row_values(row_err, plan), spans=spans,
-        max_abs_err=max_err, plain_max_abs_err=plain_err, limit=error_bound(plain_err, factor=err_factor,
-                                                                            slack=err_slack),
+        backend=backend_label(launches),
+        out=ours,
+        row_err=row_err,
+        plain_row_err=plain_row_err,
+        tile_err=per_tile_max(row_err, plan, spans),
+        packed_err=packed_row_values(row_err, plan),
+        spans=spans,
+        max_abs_err=max_err,
+        plain_max_abs_err=plain_err,
+        limit=error_bound(plain_err, factor=err_factor, slack=err_slack),
         rows_written=bool(torch.isfinite(ours).all()),
-        spare_rows_untouched=bool(torch.isnan(out[plan.total_tokens:]).all()),
+        spare_rows_untouched=bool(torch.isnan(out[plan.total_tokens :]).all()),
     )
 
 
@@ -114,17 +159,29 @@ def explorer_metrics(case: ExplorerCase, result: ExplorerResult, *, err_factor: 
     """The metrics.json of notebook 02 (headline scalars, the plan, per-tile rows)."""
     plan = case.plan
     dtype = str(case.q.dtype).replace("torch.", "")
-    summary = (f"max |ours − fp64| = {result.max_abs_err:.3g} against the limit {result.limit:.3g} = "
-               f"{err_factor:g} · max|plain − fp64| + {err_slack:g} (plain {dtype} torch: "
-               f"{result.plain_max_abs_err:.3g}); rows written: {'yes' if result.rows_written else 'NO'}, spare "
-               f"rows untouched: {'yes' if result.spare_rows_untouched else 'NO'}.")
+    summary = (
+        f"max |ours − fp64| = {result.max_abs_err:.3g} against the limit {result.limit:.3g} = "
+        f"{err_factor:g} · max|plain − fp64| + {err_slack:g} (plain {dtype} torch: "
+        f"{result.plain_max_abs_err:.3g}); rows written: {'yes' if result.rows_written else 'NO'}, spare "
+        f"rows untouched: {'yes' if result.spare_rows_untouched else 'NO'}."
+    )
     return {
-        "passed": result.passed, "failures": result.failures(), "gate_summary": summary, "backend": result.backend,
-        "max_abs_err": result.max_abs_err, "plain_max_abs_err": result.plain_max_abs_err,
-        "limit": result.limit, "gate_rule": f"max|ours-fp64| <= {err_factor:g}*max|plain-fp64| + {err_slack:g}",
-        "rows_written": result.rows_written, "spare_rows_untouched": result.spare_rows_untouched,
-        "total_tokens": plan.total_tokens, "num_tiles": plan.num_tiles, "cta_tile_q": plan.cta_tile_q,
-        "window_left": case.window_left, "sm_scale": case.sm_scale, "dtype": dtype,
+        "passed": result.passed,
+        "failures": result.failures(),
+        "gate_summary": summary,
+        "backend": result.backend,
+        "max_abs_err": result.max_abs_err,
+        "plain_max_abs_err": result.plain_max_abs_err,
+        "limit": result.limit,
+        "gate_rule": f"max|ours-fp64| <= {err_factor:g}*max|plain-fp64| + {err_slack:g}",
+        "rows_written": result.rows_written,
+        "spare_rows_untouched": result.spare_rows_untouched,
+        "total_tokens": plan.total_tokens,
+        "num_tiles": plan.num_tiles,
+        "cta_tile_q": plan.cta_tile_q,
+        "window_left": case.window_left,
+        "sm_scale": case.sm_scale,
+        "dtype": dtype,
         "plan": plan.to_dict(),
         "tiles": [dict(s.as_row(), max_abs_err=float(result.tile_err[s.tile].max())) for s in result.spans],
     }

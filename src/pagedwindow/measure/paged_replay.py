@@ -31,8 +31,19 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t[0].transpose(0, 1).contiguous()
 
 
-def _replay(layers: list, q: list, k: list, v: list, scale: list, window: list, *, chunks, page_size: int,
-            backend: str, seed: int) -> list:
+def _replay(
+    layers: list,
+    q: list,
+    k: list,
+    v: list,
+    scale: list,
+    window: list,
+    *,
+    chunks,
+    page_size: int,
+    backend: str,
+    seed: int,
+) -> list:
     """Replay per-layer ``q [L, Hq, D]``, ``k/v [L, Hkv, D]`` in ``chunks``; returns per layer ``[L, Hq, D]``."""
     state = PagedKvState(layers, page_size=page_size, backend=backend, seed=seed)
     state.reset(1)
@@ -41,8 +52,11 @@ def _replay(layers: list, q: list, k: list, v: list, scale: list, window: list, 
     for n in chunks:
         state.begin_step([n])
         for i in range(len(layers)):
-            outs[i].append(state.attend(i, q[i][at: at + n], k[i][at: at + n], v[i][at: at + n],
-                                        sm_scale=scale[i], window_left=window[i]))
+            outs[i].append(
+                state.attend(
+                    i, q[i][at : at + n], k[i][at : at + n], v[i][at : at + n], sm_scale=scale[i], window_left=window[i]
+                )
+            )
         at += n
     return [torch.cat(o) for o in outs]
 
@@ -50,10 +64,18 @@ def _replay(layers: list, q: list, k: list, v: list, scale: list, window: list, 
 def replay_capture(capture, *, chunks, page_size: int, backend: str, seed: int = 0) -> list:
     """Our output of every layer of ``capture`` (one prompt) fed in ``chunks``: per layer ``[L, Hq, D]``."""
     calls = sorted(capture.calls, key=lambda c: c.layer_idx)
-    return _replay([(c.k.shape[1], c.k.shape[3]) for c in calls], [_rows(c.q) for c in calls],
-                   [_rows(c.k) for c in calls], [_rows(c.v) for c in calls], [c.scaling for c in calls],
-                   [window_left_from_sliding_window(c.sliding_window) for c in calls], chunks=chunks,
-                   page_size=page_size, backend=backend, seed=seed)
+    return _replay(
+        [(c.k.shape[1], c.k.shape[3]) for c in calls],
+        [_rows(c.q) for c in calls],
+        [_rows(c.k) for c in calls],
+        [_rows(c.v) for c in calls],
+        [c.scaling for c in calls],
+        [window_left_from_sliding_window(c.sliding_window) for c in calls],
+        chunks=chunks,
+        page_size=page_size,
+        backend=backend,
+        seed=seed,
+    )
 
 
 @dataclass
@@ -88,8 +110,20 @@ def probe_weights(call, *, chunks, page_size: int, backend: str, seed: int = 0) 
         v = torch.zeros(length, hkv, d, dtype=k.dtype, device=k.device)  # [L, Hkv, D] one-hot values
         mine = ((key_pos // d) % passes) == j
         v[key_pos[mine], :, (key_pos % d)[mine]] = 1
-        outs.append(_replay([(hkv, d)], [q], [k], [v], [call.scaling], [window_left], chunks=chunks,
-                            page_size=page_size, backend=backend, seed=seed)[0])
+        outs.append(
+            _replay(
+                [(hkv, d)],
+                [q],
+                [k],
+                [v],
+                [call.scaling],
+                [window_left],
+                chunks=chunks,
+                page_size=page_size,
+                backend=backend,
+                seed=seed,
+            )[0]
+        )
     table = torch.stack(outs, dim=2).double().reshape(length, hq, passes * d)  # [L, Hq, passes*D]
 
     dist_max = torch.zeros(span, dtype=torch.float64)
@@ -121,13 +155,22 @@ def probe_weights(call, *, chunks, page_size: int, backend: str, seed: int = 0) 
         ours_sum += ours.sum(dim=(0, 1)).cpu()
         dist_cnt += valid.sum(dim=0).cpu().double() * hq
         slot_err = err.amax(dim=1)  # [n, span]
-        slot_max = slot_max.scatter_reduce(0, (keys_c % page_size).flatten().cpu(), slot_err.flatten().cpu(),
-                                           reduce="amax")
+        slot_max = slot_max.scatter_reduce(
+            0, (keys_c % page_size).flatten().cpu(), slot_err.flatten().cpu(), reduce="amax"
+        )
         if window_left >= 0 and span > window_left + 1:
-            beyond = max(beyond, float(ours[:, :, window_left + 1:].abs().max()))
+            beyond = max(beyond, float(ours[:, :, window_left + 1 :].abs().max()))
         sum_err = max(sum_err, float((1.0 - ours.sum(dim=2)).abs().max()))
     return WeightProbe(
-        layer=int(call.layer_idx), window_left=window_left, span=span, passes=passes, distance_max_err=dist_max,
-        distance_mean_weight=dist_sum / dist_cnt.clamp_min(1), distance_mean_ours=ours_sum / dist_cnt.clamp_min(1),
-        slot_max_err=slot_max, max_err=float(dist_max.max()), weight_beyond_window=beyond, weight_sum_err=sum_err,
+        layer=int(call.layer_idx),
+        window_left=window_left,
+        span=span,
+        passes=passes,
+        distance_max_err=dist_max,
+        distance_mean_weight=dist_sum / dist_cnt.clamp_min(1),
+        distance_mean_ours=ours_sum / dist_cnt.clamp_min(1),
+        slot_max_err=slot_max,
+        max_err=float(dist_max.max()),
+        weight_beyond_window=beyond,
+        weight_sum_err=sum_err,
     )

@@ -44,13 +44,19 @@ class TileSpan:
 
     def as_row(self) -> dict:
         """A flat dict for a table."""
-        return {"tile": self.tile, "request": self.request, "qo_tile": self.qo_tile,
-                "packed_rows": f"{self.packed_rows[0]}–{self.packed_rows[1] - 1}",
-                "tokens": f"{self.tokens[0]}–{self.tokens[1] - 1}",
-                "q_positions": f"{self.q_positions[0]}–{self.q_positions[1] - 1}",
-                "keys": f"{self.keys[0]}–{self.keys[1] - 1}", "pages_read": self.num_pages_read,
-                "page_ids": " ".join(map(str, self.page_ids_read)),
-                "skipped_left": self.pages_skipped_left, "skipped_right": self.pages_skipped_right}
+        return {
+            "tile": self.tile,
+            "request": self.request,
+            "qo_tile": self.qo_tile,
+            "packed_rows": f"{self.packed_rows[0]}–{self.packed_rows[1] - 1}",
+            "tokens": f"{self.tokens[0]}–{self.tokens[1] - 1}",
+            "q_positions": f"{self.q_positions[0]}–{self.q_positions[1] - 1}",
+            "keys": f"{self.keys[0]}–{self.keys[1] - 1}",
+            "pages_read": self.num_pages_read,
+            "page_ids": " ".join(map(str, self.page_ids_read)),
+            "skipped_left": self.pages_skipped_left,
+            "skipped_right": self.pages_skipped_right,
+        }
 
 
 def tile_spans(plan: PrefillPagedPlan, window_left: int) -> list[TileSpan]:
@@ -66,12 +72,21 @@ def tile_spans(plan: PrefillPagedPlan, window_left: int) -> list[TileSpan]:
         q_lo, q_hi = start + tok_lo, start + tok_hi
         k_lo = window_start(q_lo, window_left)
         page_lo, page_hi = k_lo // page_size, (q_hi - 1) // page_size + 1
-        spans.append(TileSpan(
-            tile=t, request=r, qo_tile=qt, packed_rows=(row_lo, row_hi), tokens=(tok_lo, tok_hi),
-            q_positions=(q_lo, q_hi), keys=(k_lo, q_hi), pages_read=(page_lo, page_hi),
-            page_ids_read=tuple(pages[page_lo:page_hi]), pages_skipped_left=page_lo,
-            pages_skipped_right=len(pages) - page_hi,
-        ))
+        spans.append(
+            TileSpan(
+                tile=t,
+                request=r,
+                qo_tile=qt,
+                packed_rows=(row_lo, row_hi),
+                tokens=(tok_lo, tok_hi),
+                q_positions=(q_lo, q_hi),
+                keys=(k_lo, q_hi),
+                pages_read=(page_lo, page_hi),
+                page_ids_read=tuple(pages[page_lo:page_hi]),
+                pages_skipped_left=page_lo,
+                pages_skipped_right=len(pages) - page_hi,
+            )
+        )
     return spans
 
 
@@ -90,7 +105,7 @@ def packed_row_values(values: torch.Tensor, plan: PrefillPagedPlan) -> list[torc
     qo = plan.qo_indptr.tolist()
     out = []
     for r, seq in enumerate(plan.seq_lens):
-        rows = values[qo[r]: qo[r] + seq].reshape(seq, hkv, group)  # [seq, hkv, group]
+        rows = values[qo[r] : qo[r] + seq].reshape(seq, hkv, group)  # [seq, hkv, group]
         out.append(rows.permute(1, 0, 2).reshape(hkv, seq * group))  # [hkv, seq * group]
     return out
 
@@ -101,5 +116,5 @@ def per_tile_max(values: torch.Tensor, plan: PrefillPagedPlan, spans: list[TileS
     packed = packed_row_values(values, plan)
     out = torch.zeros(len(spans), plan.num_kv_heads, dtype=values.dtype)
     for s in spans:
-        out[s.tile] = packed[s.request][:, s.packed_rows[0]: s.packed_rows[1]].amax(dim=1).cpu()
+        out[s.tile] = packed[s.request][:, s.packed_rows[0] : s.packed_rows[1]].amax(dim=1).cpu()
     return out

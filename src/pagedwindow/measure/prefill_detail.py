@@ -61,8 +61,17 @@ class PrefillDetail:
 
 
 @torch.no_grad()
-def prefill_detail(model, prompt: list, *, chunks, page_size: int, backend: str, seed: int = 0,
-                   probe: bool = True, progress: bool = True) -> PrefillDetail:
+def prefill_detail(
+    model,
+    prompt: list,
+    *,
+    chunks,
+    page_size: int,
+    backend: str,
+    seed: int = 0,
+    probe: bool = True,
+    progress: bool = True,
+) -> PrefillDetail:
     """Capture ``prompt`` (HF eager driving, sdpa on the same inputs), replay it through the paged path in
     ``chunks`` and collect per-layer detail (see the module docstring)."""
     from ..hf.capture import capture_attention
@@ -79,16 +88,26 @@ def prefill_detail(model, prompt: list, *, chunks, page_size: int, backend: str,
         floor = (sdpa - eager).abs()
         hist_err, zeros_err = _histogram(err)
         hist_floor, zeros_floor = _histogram(floor)
-        detail.layers.append(LayerDetail(
-            layer=int(call.layer_idx), layer_type=call.layer_type,
-            window_left=window_left_from_sliding_window(call.sliding_window), sm_scale=call.scaling,
-            head_err=err.amax(dim=(0, 2)).cpu(), head_floor=floor.amax(dim=(0, 2)).cpu(),
-            row_err=err.amax(dim=(1, 2)).cpu(), row_floor=floor.amax(dim=(1, 2)).cpu(),
-            hist_err=hist_err, hist_floor=hist_floor, zeros_err=zeros_err, zeros_floor=zeros_floor,
-            ref_max=float(eager.abs().max()),
-            probe=probe_weights(call, chunks=chunks, page_size=page_size, backend=backend, seed=seed)
-            if probe else None,
-        ))
+        detail.layers.append(
+            LayerDetail(
+                layer=int(call.layer_idx),
+                layer_type=call.layer_type,
+                window_left=window_left_from_sliding_window(call.sliding_window),
+                sm_scale=call.scaling,
+                head_err=err.amax(dim=(0, 2)).cpu(),
+                head_floor=floor.amax(dim=(0, 2)).cpu(),
+                row_err=err.amax(dim=(1, 2)).cpu(),
+                row_floor=floor.amax(dim=(1, 2)).cpu(),
+                hist_err=hist_err,
+                hist_floor=hist_floor,
+                zeros_err=zeros_err,
+                zeros_floor=zeros_floor,
+                ref_max=float(eager.abs().max()),
+                probe=probe_weights(call, chunks=chunks, page_size=page_size, backend=backend, seed=seed)
+                if probe
+                else None,
+            )
+        )
     return detail
 
 
@@ -98,27 +117,38 @@ def prefill_metrics(oracle, detail: PrefillDetail) -> dict:
     ``passed``: every layer passes the oracle's gate and no backend weight lies beyond a window's edge.
     """
     layers = oracle.layers
-    failures = [f"layer {e.layer} ({e.layer_type}): {e.gate.rule} fails: {e.gate.value:.3g} > {e.gate.limit:.3g}"
-                for e in layers if not e.gate.passed]
+    failures = [
+        f"layer {e.layer} ({e.layer_type}): {e.gate.rule} fails: {e.gate.value:.3g} > {e.gate.limit:.3g}"
+        for e in layers
+        if not e.gate.passed
+    ]
     by_layer = {d.layer: d for d in detail.layers}
     rows = []
     for row in oracle.rows():
         d = by_layer.get(row["layer"])
         if d is not None and d.probe is not None:
-            row.update(weight_max_err=d.probe.max_err, weight_beyond_window=d.probe.weight_beyond_window,
-                       weight_sum_err=d.probe.weight_sum_err, probe_passes=d.probe.passes)
+            row.update(
+                weight_max_err=d.probe.max_err,
+                weight_beyond_window=d.probe.weight_beyond_window,
+                weight_sum_err=d.probe.weight_sum_err,
+                probe_passes=d.probe.passes,
+            )
             if d.probe.weight_beyond_window != 0.0:
-                failures.append(f"layer {d.layer}: weight {d.probe.weight_beyond_window:.3g} on a key beyond the "
-                                f"window's edge (window_left {d.window_left}); it must be exactly 0")
+                failures.append(
+                    f"layer {d.layer}: weight {d.probe.weight_beyond_window:.3g} on a key beyond the "
+                    f"window's edge (window_left {d.window_left}); it must be exactly 0"
+                )
         rows.append(row)
     probes = [d.probe for d in detail.layers if d.probe is not None]
     worst = oracle.worst()
     beyond = max((p.weight_beyond_window for p in probes), default=None)
-    summary = (f"max |ours − HF eager| = {max(e.ours.max_abs for e in layers):.3g} (rel "
-               f"{max(e.ours.max_rel for e in layers):.3g}); HF floor (sdpa vs eager) "
-               f"{max(e.floor.max_abs for e in layers):.3g}; worst layer {worst.layer}: {worst.gate.value:.3g} "
-               f"against {worst.gate.limit:.3g} ({worst.gate.rule}); largest weight beyond the window: "
-               f"{'not probed' if beyond is None else f'{beyond:.3g}'} (must be 0).")
+    summary = (
+        f"max |ours − HF eager| = {max(e.ours.max_abs for e in layers):.3g} (rel "
+        f"{max(e.ours.max_rel for e in layers):.3g}); HF floor (sdpa vs eager) "
+        f"{max(e.floor.max_abs for e in layers):.3g}; worst layer {worst.layer}: {worst.gate.value:.3g} "
+        f"against {worst.gate.limit:.3g} ({worst.gate.rule}); largest weight beyond the window: "
+        f"{'not probed' if beyond is None else f'{beyond:.3g}'} (must be 0)."
+    )
     return {
         "passed": not failures,
         "failures": failures,

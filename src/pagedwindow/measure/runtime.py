@@ -37,8 +37,12 @@ def resolve_device(name: str) -> torch.device:
 def environment(device: torch.device | None = None, launches: Counter | None = None) -> dict:
     """Versions and hardware of this run (for metrics.json and the report); ``kernels``: what ran
     (:func:`launch_record` of ``launches``, default: every launch :func:`observe_backends` saw in this process)."""
-    env = {"python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
-           "cuda_available": torch.cuda.is_available()}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cuda_available": torch.cuda.is_available(),
+    }
     try:
         import transformers
 
@@ -65,8 +69,12 @@ class Launches(Counter):
 
 
 _PROCESS_LAUNCHES = Launches()  # everything observe_backends saw in this process (what environment() reports)
-KERNEL_NAMES = {"wgmma": "sm_90a wgmma", "mma_sync": "mma.sync",  # how the report names the prefill kernels
-                "pw_prefill_hd256_bf16_sm90": "sm_90a wgmma", "pw_prefill_hd256_bf16": "mma.sync"}  # launchers
+KERNEL_NAMES = {
+    "wgmma": "sm_90a wgmma",
+    "mma_sync": "mma.sync",  # how the report names the prefill kernels
+    "pw_prefill_hd256_bf16_sm90": "sm_90a wgmma",
+    "pw_prefill_hd256_bf16": "mma.sync",
+}  # launchers
 
 
 def _cuda_details(pool, geometry, plan) -> tuple[str, str]:
@@ -118,9 +126,12 @@ def launch_record(launches: Launches | None = None) -> dict:
     """What ran, JSON-ready: ``{"backend": label, "launches": {backend: n}, "prefill_kernels": [...],
     "kv_copy_paths": [...]}`` of ``launches`` (default: everything observed in this process)."""
     launches = _PROCESS_LAUNCHES if launches is None else launches
-    return {"backend": backend_label(launches), "launches": {k: v for k, v in sorted(launches.items()) if v},
-            "prefill_kernels": sorted(k for k, v in getattr(launches, "kernels", {}).items() if v),
-            "kv_copy_paths": sorted(k for k, v in getattr(launches, "kv_copy_paths", {}).items() if v)}
+    return {
+        "backend": backend_label(launches),
+        "launches": {k: v for k, v in sorted(launches.items()) if v},
+        "prefill_kernels": sorted(k for k, v in getattr(launches, "kernels", {}).items() if v),
+        "kv_copy_paths": sorted(k for k, v in getattr(launches, "kv_copy_paths", {}).items() if v),
+    }
 
 
 def backend_label(counts: Counter) -> str:

@@ -91,5 +91,7 @@ def html_table(rows: list[dict], columns: list[str] | None = None, *, highlight:
         style = ' style="background:#fdd"' if highlight is not None and row.get(highlight) is False else ""
         cells = "".join(f"<td>{html.escape(format_value(row.get(c)))}</td>" for c in columns)
         body.append(f"<tr{style}>{cells}</tr>")
-    return (f'<table class="pw-table" border="1" style="border-collapse:collapse;font-size:90%">'
-            f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
+    return (
+        f'<table class="pw-table" border="1" style="border-collapse:collapse;font-size:90%">'
+        f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    )

@@ -32,8 +32,9 @@ def plot_throughput(results: BenchResults):
     ax.set_xticks(range(len(workloads)))
     ax.set_xticklabels(workloads, fontsize=8, rotation=15)
     ax.set_ylabel("useful TF/s (visible pairs only)")
-    right = ax.secondary_yaxis("right", functions=(lambda t: 100 * t / results.peak_bf16_tflops,
-                                                   lambda p: p * results.peak_bf16_tflops / 100))
+    right = ax.secondary_yaxis(
+        "right", functions=(lambda t: 100 * t / results.peak_bf16_tflops, lambda p: p * results.peak_bf16_tflops / 100)
+    )
     right.set_ylabel(f"% of the bf16 GEMM rate ({results.peak_bf16_tflops:.0f} TF/s)")
     ax.set_title(f"{results.gpu} — {results.date or results.path.name}", fontsize=9)
     fig.tight_layout()
@@ -93,12 +94,20 @@ def plot_errors(results: BenchResults, *, max_err_limit: float):
                 ys.append(max(r["max_abs_err"], zero))
         if xs:
             ax.plot(xs, ys, ls="none", marker="o", ms=5, color=f"C{j}", label=s)
-    bounds = [(i, applied_bound(results.record(w, "pagedwindow"), max_err_limit=max_err_limit))
-              for i, w in enumerate(results.workloads)]
+    bounds = [
+        (i, applied_bound(results.record(w, "pagedwindow"), max_err_limit=max_err_limit))
+        for i, w in enumerate(results.workloads)
+    ]
     drawn = [(i, b) for i, b in bounds if b is not None]
     for k, (i, b) in enumerate(drawn):
-        ax.hlines(b, i - 0.45, i + 0.45, color="#cb181d", lw=1.6,
-                  label="bound applied by the gate (pagedwindow)" if k == 0 else None)
+        ax.hlines(
+            b,
+            i - 0.45,
+            i + 0.45,
+            color="#cb181d",
+            lw=1.6,
+            label="bound applied by the gate (pagedwindow)" if k == 0 else None,
+        )
     if drawn and len({b for _, b in drawn}) <= 3:
         for i, b in drawn:
             ax.text(i + 0.45, b, f"{b:.3g}", color="#cb181d", fontsize=6, ha="right", va="bottom")
@@ -108,8 +117,7 @@ def plot_errors(results: BenchResults, *, max_err_limit: float):
     for i in range(1, len(results.workloads)):
         ax.axvline(i - 0.5, color="#d9d9d9", lw=0.6)
     ax.set_xlim(-0.5, len(results.workloads) - 0.5)
-    ax.set_ylabel(f"max |out − reference|\n(exact 0 drawn at {zero:.0e})" if 0 in errors
-                  else "max |out − reference|")
+    ax.set_ylabel(f"max |out − reference|\n(exact 0 drawn at {zero:.0e})" if 0 in errors else "max |out − reference|")
     ax.set_title("output error checked before timing, and the bound each workload was judged by", fontsize=9)
     if ax.lines or ax.collections:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))

@@ -103,8 +103,9 @@ def int_list(name: str, value, *, minimum: int | None = None, min_length: int = 
     if isinstance(parsed, numbers.Integral) and not isinstance(parsed, bool):
         parsed = [parsed]
     if not isinstance(parsed, (list, tuple)):
-        raise PagedWindowError(f"parameter {name} must be a list of integers such as [37, 1, 0], got "
-                               f"{_describe(value)}")
+        raise PagedWindowError(
+            f"parameter {name} must be a list of integers such as [37, 1, 0], got {_describe(value)}"
+        )
     if len(parsed) < min_length:
         raise PagedWindowError(f"parameter {name} must hold at least {min_length} value(s), got {list(parsed)}")
     out = []
@@ -124,8 +125,7 @@ def name_list(name: str, value, choices) -> list[str]:
     if isinstance(parsed, str):
         parsed = [parsed] if parsed else []
     if not isinstance(parsed, (list, tuple)):
-        raise PagedWindowError(f"parameter {name} must be a list of names from {list(choices)}, got "
-                               f"{_describe(value)}")
+        raise PagedWindowError(f"parameter {name} must be a list of names from {list(choices)}, got {_describe(value)}")
     unknown = [item for item in parsed if item not in choices]
     if unknown:
         raise PagedWindowError(f"parameter {name}: {unknown} not among {list(choices)}")
@@ -136,8 +136,9 @@ def _heads(num_qo_heads, num_kv_heads) -> tuple[int, int]:
     hq = integer("num_qo_heads", num_qo_heads, minimum=1)
     hkv = integer("num_kv_heads", num_kv_heads, minimum=1)
     if hq % hkv:
-        raise PagedWindowError(f"parameter num_qo_heads = {hq} must be a multiple of num_kv_heads = {hkv} "
-                               "(grouped-query attention)")
+        raise PagedWindowError(
+            f"parameter num_qo_heads = {hq} must be a multiple of num_kv_heads = {hkv} (grouped-query attention)"
+        )
     return hq, hkv
 
 
@@ -171,14 +172,32 @@ def prefix_below_every_prompt(prefix: int, prompt_len: int, extra_prompt_lens: l
     if prefix and prefix >= min(lens):
         shortest = lens.index(min(lens))
         name = "prompt_len" if shortest == 0 else f"extra_prompt_lens[{shortest - 1}]"
-        raise PagedWindowError(f"parameter prefix_len = {prefix} must be < {name} = {min(lens)} (every prompt is "
-                               f"prefilled as prefix_len tokens, then the rest; 0: one prefill step{note})")
+        raise PagedWindowError(
+            f"parameter prefix_len = {prefix} must be < {name} = {min(lens)} (every prompt is "
+            f"prefilled as prefix_len tokens, then the rest; 0: one prefill step{note})"
+        )
     return prefix
 
 
-def check_window_prefill(*, family, num_layers, sliding_window_pattern, num_qo_heads, num_kv_heads, head_dim,
-                         hidden_size, sliding_window, page_size, prompt_len, extra_prompt_lens, prefix_len, dtype,
-                         backend, device, seed) -> dict:
+def check_window_prefill(
+    *,
+    family,
+    num_layers,
+    sliding_window_pattern,
+    num_qo_heads,
+    num_kv_heads,
+    head_dim,
+    hidden_size,
+    sliding_window,
+    page_size,
+    prompt_len,
+    extra_prompt_lens,
+    prefix_len,
+    dtype,
+    backend,
+    device,
+    seed,
+) -> dict:
     """Notebook 01's parameters, checked; ``prefix_len`` -1 resolved to 3/5 of ``prompt_len``, and below every
     prompt of the batch (each is prefilled as ``prefix_len`` tokens, then the rest)."""
     hq, hkv = _heads(num_qo_heads, num_kv_heads)
@@ -188,26 +207,51 @@ def check_window_prefill(*, family, num_layers, sliding_window_pattern, num_qo_h
     prefix = integer("prefix_len", prefix_len, minimum=PREFIX_DEFAULT)
     if prefix == PREFIX_DEFAULT:
         prefix = default_prefix_len(prompt)
-    prefix = prefix_below_every_prompt(prefix, prompt, extra,
-                                       note=f"; -1: {PREFIX_FRACTION[0]}/{PREFIX_FRACTION[1]} of prompt_len")
+    prefix = prefix_below_every_prompt(
+        prefix, prompt, extra, note=f"; -1: {PREFIX_FRACTION[0]}/{PREFIX_FRACTION[1]} of prompt_len"
+    )
     return {
         "family": choice("family", family, FAMILIES),
         "num_layers": integer("num_layers", num_layers, minimum=1),
         "sliding_window_pattern": integer("sliding_window_pattern", sliding_window_pattern, minimum=1),
-        "num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": head,
+        "num_qo_heads": hq,
+        "num_kv_heads": hkv,
+        "head_dim": head,
         "hidden_size": integer("hidden_size", hidden_size, minimum=1),
         "sliding_window": integer("sliding_window", sliding_window, minimum=1),
         "page_size": integer("page_size", page_size, minimum=1),
-        "prompt_len": prompt, "extra_prompt_lens": extra, "prefix_len": prefix,
+        "prompt_len": prompt,
+        "extra_prompt_lens": extra,
+        "prefix_len": prefix,
         "dtype": choice("dtype", dtype, PREFILL_DTYPES),
-        "backend": choice("backend", backend, BACKENDS), "device": _device(device),
+        "backend": choice("backend", backend, BACKENDS),
+        "device": _device(device),
         "seed": integer("seed", seed, minimum=0),
     }
 
 
-def check_greedy_decode(*, family, num_layers, sliding_window_pattern, num_qo_heads, num_kv_heads, head_dim,
-                        hidden_size, tie_word_embeddings, sliding_window, page_size, prompt_len, extra_prompt_lens,
-                        prefix_len, max_new_tokens, min_clear_steps, dtype, backend, device, seed) -> dict:
+def check_greedy_decode(
+    *,
+    family,
+    num_layers,
+    sliding_window_pattern,
+    num_qo_heads,
+    num_kv_heads,
+    head_dim,
+    hidden_size,
+    tie_word_embeddings,
+    sliding_window,
+    page_size,
+    prompt_len,
+    extra_prompt_lens,
+    prefix_len,
+    max_new_tokens,
+    min_clear_steps,
+    dtype,
+    backend,
+    device,
+    seed,
+) -> dict:
     """Notebook 03's parameters, checked: ``prefix_len`` (0: one prefill step) below every prompt, the prompts
     and decode steps within the model's positions, ``min_clear_steps`` reachable by the steps compared."""
     from ..hf.models import MAX_POSITION_EMBEDDINGS
@@ -220,56 +264,94 @@ def check_greedy_decode(*, family, num_layers, sliding_window_pattern, num_qo_he
     lens = [prompt, *extra]
     steps = integer("max_new_tokens", max_new_tokens, minimum=1)
     if max(lens) + steps > MAX_POSITION_EMBEDDINGS:
-        raise PagedWindowError(f"parameters prompt_len / extra_prompt_lens + max_new_tokens = {max(lens) + steps} "
-                               f"exceed the model's {MAX_POSITION_EMBEDDINGS} positions")
+        raise PagedWindowError(
+            f"parameters prompt_len / extra_prompt_lens + max_new_tokens = {max(lens) + steps} "
+            f"exceed the model's {MAX_POSITION_EMBEDDINGS} positions"
+        )
     compared = len(lens) * steps
     need = integer("min_clear_steps", min_clear_steps, minimum=1)
     if need > compared:
-        raise PagedWindowError(f"parameter min_clear_steps = {need} exceeds the {compared} steps compared "
-                               f"({len(lens)} prompt(s) x max_new_tokens = {steps}): the run could never be "
-                               "conclusive")
+        raise PagedWindowError(
+            f"parameter min_clear_steps = {need} exceeds the {compared} steps compared "
+            f"({len(lens)} prompt(s) x max_new_tokens = {steps}): the run could never be "
+            "conclusive"
+        )
     return {
         "family": choice("family", family, FAMILIES),
         "num_layers": integer("num_layers", num_layers, minimum=1),
         "sliding_window_pattern": integer("sliding_window_pattern", sliding_window_pattern, minimum=1),
-        "num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": head,
+        "num_qo_heads": hq,
+        "num_kv_heads": hkv,
+        "head_dim": head,
         "hidden_size": integer("hidden_size", hidden_size, minimum=1),
         "tie_word_embeddings": boolean("tie_word_embeddings", tie_word_embeddings),
         "sliding_window": integer("sliding_window", sliding_window, minimum=1),
         "page_size": integer("page_size", page_size, minimum=1),
-        "prompt_len": prompt, "extra_prompt_lens": extra, "prefix_len": prefix, "max_new_tokens": steps,
-        "min_clear_steps": need, "dtype": choice("dtype", dtype, PREFILL_DTYPES),
-        "backend": choice("backend", backend, BACKENDS), "device": _device(device),
+        "prompt_len": prompt,
+        "extra_prompt_lens": extra,
+        "prefix_len": prefix,
+        "max_new_tokens": steps,
+        "min_clear_steps": need,
+        "dtype": choice("dtype", dtype, PREFILL_DTYPES),
+        "backend": choice("backend", backend, BACKENDS),
+        "device": _device(device),
         "seed": integer("seed", seed, minimum=0),
     }
 
 
-def check_kernel_explorer(*, page_size, seq_lens, start_positions, num_qo_heads, num_kv_heads, head_dim,
-                          window_left, cta_tile_q, sm_scale, dtype, backend, device, err_factor, err_slack,
-                          max_requests_drawn, seed) -> dict:
+def check_kernel_explorer(
+    *,
+    page_size,
+    seq_lens,
+    start_positions,
+    num_qo_heads,
+    num_kv_heads,
+    head_dim,
+    window_left,
+    cta_tile_q,
+    sm_scale,
+    dtype,
+    backend,
+    device,
+    err_factor,
+    err_slack,
+    max_requests_drawn,
+    seed,
+) -> dict:
     """Notebook 02's parameters, checked: ``seq_lens`` and ``start_positions`` of equal length, every request
     with at least one key (``start + seq >= 1``), ``cta_tile_q`` 0 (the plan's rule) or a supported tile."""
     seqs = int_list("seq_lens", seq_lens, minimum=0)
     starts = int_list("start_positions", start_positions, minimum=0)
     if len(seqs) != len(starts):
-        raise PagedWindowError(f"parameters seq_lens ({len(seqs)} values) and start_positions ({len(starts)} "
-                               "values) must have one value per request each")
+        raise PagedWindowError(
+            f"parameters seq_lens ({len(seqs)} values) and start_positions ({len(starts)} "
+            "values) must have one value per request each"
+        )
     empty = [i for i, (s, n) in enumerate(zip(starts, seqs)) if s + n == 0]
     if empty:
-        raise PagedWindowError(f"request {empty[0]} has start_positions[{empty[0]}] + seq_lens[{empty[0]}] = 0: "
-                               "every request needs at least one key")
+        raise PagedWindowError(
+            f"request {empty[0]} has start_positions[{empty[0]}] + seq_lens[{empty[0]}] = 0: "
+            "every request needs at least one key"
+        )
     hq, hkv = _heads(num_qo_heads, num_kv_heads)
     tile = integer("cta_tile_q", cta_tile_q, minimum=0)
     if tile and tile not in SUPPORTED_CTA_TILE_Q:
-        raise PagedWindowError(f"parameter cta_tile_q = {tile} is not 0 (the plan's rule) or one of "
-                               f"{list(SUPPORTED_CTA_TILE_Q)}")
+        raise PagedWindowError(
+            f"parameter cta_tile_q = {tile} is not 0 (the plan's rule) or one of {list(SUPPORTED_CTA_TILE_Q)}"
+        )
     return {
-        "page_size": integer("page_size", page_size, minimum=1), "seq_lens": seqs, "start_positions": starts,
-        "num_qo_heads": hq, "num_kv_heads": hkv, "head_dim": integer("head_dim", head_dim, minimum=1),
-        "window_left": integer("window_left", window_left, minimum=-1), "cta_tile_q": tile,
+        "page_size": integer("page_size", page_size, minimum=1),
+        "seq_lens": seqs,
+        "start_positions": starts,
+        "num_qo_heads": hq,
+        "num_kv_heads": hkv,
+        "head_dim": integer("head_dim", head_dim, minimum=1),
+        "window_left": integer("window_left", window_left, minimum=-1),
+        "cta_tile_q": tile,
         "sm_scale": real("sm_scale", sm_scale, positive=True),
         "dtype": choice("dtype", dtype, tuple(DTYPES)),
-        "backend": choice("backend", backend, BACKENDS), "device": _device(device),
+        "backend": choice("backend", backend, BACKENDS),
+        "device": _device(device),
         "err_factor": real("err_factor", err_factor, minimum=0.0),
         "err_slack": real("err_slack", err_slack, minimum=0.0),
         "max_requests_drawn": integer("max_requests_drawn", max_requests_drawn, minimum=1),
@@ -283,7 +365,9 @@ def check_benchmark(*, results_dir, results_file, run_benchmark, quick, systems,
 
     return {
         "systems": name_list("systems", systems, SYSTEMS),
-        "results_dir": text("results_dir", results_dir), "results_file": text("results_file", results_file),
-        "run_benchmark": boolean("run_benchmark", run_benchmark), "quick": boolean("quick", quick),
+        "results_dir": text("results_dir", results_dir),
+        "results_file": text("results_file", results_file),
+        "run_benchmark": boolean("run_benchmark", run_benchmark),
+        "quick": boolean("quick", quick),
         "max_err_limit": real("max_err_limit", max_err_limit, positive=True),
     }

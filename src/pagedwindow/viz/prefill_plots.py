@@ -27,10 +27,14 @@ def plot_error_vs_distance(detail: PrefillDetail):
         if d.probe is None:
             continue
         x = torch.arange(d.probe.span).numpy()
-        left.plot(x, d.probe.distance_max_err.clamp_min(err_zero).numpy(), lw=0.9, color=f"C{i}",
-                  label=_layer_label(d))
-        right.plot(x, d.probe.distance_mean_weight.clamp_min(weight_zero).numpy(), lw=1.0, color=f"C{i}",
-                   label=f"{_layer_label(d)} fp64")
+        left.plot(x, d.probe.distance_max_err.clamp_min(err_zero).numpy(), lw=0.9, color=f"C{i}", label=_layer_label(d))
+        right.plot(
+            x,
+            d.probe.distance_mean_weight.clamp_min(weight_zero).numpy(),
+            lw=1.0,
+            color=f"C{i}",
+            label=f"{_layer_label(d)} fp64",
+        )
         right.plot(x, d.probe.distance_mean_ours.clamp_min(weight_zero).numpy(), lw=1.0, ls="--", color=f"C{i}")
         if d.window_left >= 0:
             edges.add(d.window_left)
@@ -62,8 +66,15 @@ def plot_page_boundaries(detail: PrefillDetail, *, sliding_window: int | None = 
         left.plot(x, d.row_err.clamp_min(row_zero).numpy(), lw=0.9, color=f"C{i}", label=_layer_label(d))
         left.plot(x, d.row_floor.clamp_min(row_zero).numpy(), lw=0.7, ls=":", color=f"C{i}")
         if d.probe is not None:
-            right.plot(torch.arange(ps).numpy(), d.probe.slot_max_err.clamp_min(slot_zero).numpy(), marker="o",
-                       ms=3, lw=0.9, color=f"C{i}", label=_layer_label(d))
+            right.plot(
+                torch.arange(ps).numpy(),
+                d.probe.slot_max_err.clamp_min(slot_zero).numpy(),
+                marker="o",
+                ms=3,
+                lw=0.9,
+                color=f"C{i}",
+                label=_layer_label(d),
+            )
     n_pages = -(-detail.prompt_len // ps)
     every = max(1, n_pages // 48)
     for p in range(every, n_pages, every):
@@ -71,8 +82,13 @@ def plot_page_boundaries(detail: PrefillDetail, *, sliding_window: int | None = 
     if len(detail.chunks) > 1:
         left.axvline(detail.chunks[0] - 0.5, color="black", lw=1.2, label=f"chunk boundary ({detail.chunks[0]})")
     if sliding_window is not None and sliding_window < detail.prompt_len:
-        left.axvline(sliding_window - 0.5, color="#cb181d", ls="--", lw=1.0,
-                     label=f"window starts sliding (q_pos {sliding_window})")
+        left.axvline(
+            sliding_window - 0.5,
+            color="#cb181d",
+            ls="--",
+            lw=1.0,
+            label=f"window starts sliding (q_pos {sliding_window})",
+        )
     left.set_yscale("log")
     left.set_xlabel(f"query position (dotted: page boundaries every {ps * every})")
     left.set_ylabel(f"max |ours − HF eager| (dotted: |sdpa − eager|)\nexact 0 drawn at {row_zero:.0e}")
@@ -103,24 +119,36 @@ def plot_head_heatmap(detail: PrefillDetail, *, dtype: torch.dtype | None = None
     finite = finite[torch.isfinite(finite) & (finite > 0)]
     if finite.numel():
         hi = max(hi, math.ceil(10 * math.log10(float(finite.max()))) / 10)
-    logs = [torch.log10(t.clamp(10.0 ** lo, 10.0 ** hi)) for t in (err, floor)]
+    logs = [torch.log10(t.clamp(10.0**lo, 10.0**hi)) for t in (err, floor)]
     fig, axes = new_figure(ncols=2, width=max(4.0, 1.0 + 0.45 * err.shape[1]), height=1.2 + 0.45 * err.shape[0])
     for ax, values, log, title in zip(axes, (err, floor), logs, ("ours vs HF eager", "HF sdpa vs eager (floor)")):
         im = ax.imshow(log.numpy(), cmap="magma", vmin=lo, vmax=hi, aspect="auto")
         if values.numel() <= 256:
-            for (r, c), v, lv in zip(torch.cartesian_prod(torch.arange(values.shape[0]),
-                                                          torch.arange(values.shape[1])),
-                                     values.flatten(), log.flatten()):
-                ax.text(int(c), int(r), f"{float(v):.1e}", ha="center", va="center", fontsize=6,
-                        color="white" if float(lv) < (lo + hi) / 2 else "black")
+            for (r, c), v, lv in zip(
+                torch.cartesian_prod(torch.arange(values.shape[0]), torch.arange(values.shape[1])),
+                values.flatten(),
+                log.flatten(),
+            ):
+                ax.text(
+                    int(c),
+                    int(r),
+                    f"{float(v):.1e}",
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                    color="white" if float(lv) < (lo + hi) / 2 else "black",
+                )
         ax.set_yticks(range(len(detail.layers)))
         ax.set_yticklabels([_layer_label(d) for d in detail.layers] if ax is axes[0] else [], fontsize=7)
         ax.set_xticks(range(values.shape[1]))
         ax.set_xlabel("query head")
         ax.set_title(title, fontsize=9)
     eps = torch.finfo(dtype).eps
-    fig.colorbar(im, ax=axes, label=f"log10 max |error|\nfixed scale: {str(dtype).removeprefix('torch.')} eps "
-                                    f"{eps:.1e}; 0 at the bottom")
+    fig.colorbar(
+        im,
+        ax=axes,
+        label=f"log10 max |error|\nfixed scale: {str(dtype).removeprefix('torch.')} eps {eps:.1e}; 0 at the bottom",
+    )
     return fig
 
 
@@ -135,8 +163,14 @@ def plot_error_histogram(detail: PrefillDetail, *, limit: float | None = None):
     zeros_err = sum(d.zeros_err for d in detail.layers)
     zeros_floor = sum(d.zeros_floor for d in detail.layers)
     ax.step(centers, err.numpy(), where="mid", lw=1.2, label=f"ours vs HF eager ({zeros_err} exact zeros)")
-    ax.step(centers, floor.numpy(), where="mid", lw=1.2, color="#969696",
-            label=f"HF sdpa vs eager — floor ({zeros_floor} exact zeros)")
+    ax.step(
+        centers,
+        floor.numpy(),
+        where="mid",
+        lw=1.2,
+        color="#969696",
+        label=f"HF sdpa vs eager — floor ({zeros_floor} exact zeros)",
+    )
     if limit is not None:
         ax.axvline(limit, color="#cb181d", ls="--", lw=1.0, label=f"tolerance {limit:.2g} (tightest layer)")
     nonzero = torch.nonzero((err + floor) > 0).flatten()

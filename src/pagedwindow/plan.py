@@ -692,7 +692,7 @@ class _DeviceMirror:
         self.storage = torch.empty(
             self.size_class(capacity.buffer_entries), dtype=torch.int32, device=device
         )  # [size class]
-        self.stream = _current_raw_stream(device.index)  # the stream the storage was made on
+        self.stream = _current_raw_stream(self.storage.device.index)  # the stream the storage was made on
         self.staging: list[torch.Tensor | None] = [None] * self.STAGING_BUFFERS  # pinned, made on first use
         self.turn = 0
         # The upload path, fixed for the mirror's life: the compiled upload (``pw_plan_upload``, with CUDA events

@@ -76,3 +76,5 @@ def test_keeps_a_bounded_number_of_bounded_mirrors(pool):
 
 def test_a_mirror_storage_is_a_power_of_two_size_class():
     assert [_DeviceMirror.size_class(n) for n in (1, 1024, 1025, 5000)] == [1024, 1024, 2048, 8192]
+    large = _MirrorPool.MAX_ENTRIES + 1  # never pooled: allocated exactly, not doubled
+    assert _DeviceMirror.size_class(large) == large

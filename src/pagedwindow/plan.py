@@ -708,7 +708,10 @@ class _DeviceMirror:
 
     @classmethod
     def size_class(cls, entries: int) -> int:
-        """The storage entries for a buffer of ``entries``: the next power of two, at least ``MIN_ENTRIES``."""
+        """The storage entries for a buffer of ``entries``: the next power of two, at least ``MIN_ENTRIES``; a
+        buffer the pool would not keep (past ``_MirrorPool.MAX_ENTRIES``) is allocated exactly."""
+        if entries > _MirrorPool.MAX_ENTRIES:
+            return entries
         return max(cls.MIN_ENTRIES, 1 << (entries - 1).bit_length())
 
     def fit(self, capacity: PlanCapacity) -> None:

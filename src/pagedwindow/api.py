@@ -1,13 +1,15 @@
 """The validating wrappers: every contract is checked before anything is written or launched.
 
 ``batch_prefill_paged_window`` reads attention through a plan; ``append_paged_kv`` writes the new rows' K/V into
-their slots ("append then attend"). Both route to a backend: ``"reference"`` (PyTorch), ``"cuda"`` (our kernels)
+their slots ("append then attend"); ``prepare_paged_qkv`` is Gemma's prep (q/k/v norms, RoPE) fused with that
+write. Both route to a backend: ``"reference"`` (PyTorch), ``"cuda"`` (our kernels)
 or ``"auto"`` (cuda when the tensors are on a GPU and the kernels can run them, else the reference; a fallback
 on GPU tensors warns once, with the reason).
 
-Autograd: neither op is differentiable. Inputs that require grad (q, k, v) are read as detached values; a tensor
-that would be written (``out``, ``lse``, the pool) must not require grad, and one made under
-``torch.inference_mode()`` may only be written inside inference mode. Both are refused before any write.
+Autograd: no op is differentiable. Inputs that require grad (q, k, v, norm weights) are read as detached values; a
+tensor that would be written (``out``, ``lse``, ``out_q``, the pool) must not require grad, and one made under
+``torch.inference_mode()`` may only be written inside inference mode. Both are refused before
+any write.
 
 Host cost: a call re-checks everything, but what depends only on the pool is cached (the checked geometry, keyed
 by the layout, layer and the pool's dtype, shape, device and contiguity) and what depends only on the plan is
@@ -24,6 +26,14 @@ import torch
 
 from . import reference
 from .errors import PagedWindowError
+from .gemma_prep import (
+    MAX_HEAD_DIM,
+    check_angles,
+    check_norm_style,
+    check_positive_fp32,
+    check_positive_real,
+    rope_inv_freq,
+)
 from .layout import PagedGeometry, PagedKvLayout, checked_paged_geometry
 from .plan import PrefillPagedPlan
 from .semantics import check_sm_scale, check_window_left
@@ -275,3 +285,110 @@ def append_paged_kv(
         _cuda_backend().append_paged_kv(k, v, pool, geometry, plan)
     else:
         reference.append_paged_kv(k.detach(), v.detach(), pool, geometry, plan)
+
+
+def _check_norm_weight(what: str, name: str, w, *, head_dim: int, pool: torch.Tensor) -> None:
+    """A norm weight: a contiguous ``[head_dim]`` tensor on the pool's device, in the pool's dtype or fp32."""
+    if not isinstance(w, torch.Tensor):
+        raise PagedWindowError(f"{what}: {name} must be a torch.Tensor, got {type(w).__name__}")
+    if tuple(w.shape) != (head_dim,):
+        raise PagedWindowError(f"{what}: {name} shape {tuple(w.shape)} must be [{head_dim}] (head_dim)")
+    if w.dtype not in (pool.dtype, torch.float32):
+        raise PagedWindowError(f"{what}: {name} dtype {w.dtype} must be the pool's {pool.dtype} or torch.float32")
+    if w.device != pool.device:
+        raise PagedWindowError(f"{what}: {name} is on {w.device} but the pool is on {pool.device}")
+    if not w.is_contiguous():
+        raise PagedWindowError(f"{what}: {name} must be contiguous (strides {w.stride()})")
+
+
+def prepare_paged_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: torch.Tensor,
+    layout: PagedKvLayout,
+    layer: int,
+    plan: PrefillPagedPlan,
+    *,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    rope_theta: float,
+    norm_style: str,
+    rope_position_factor: float = 1.0,
+    out_q: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Gemma's prep before attention, in one op: q/k/v norms, RoPE, and the paged K/V write; returns
+    ``out_q[:total_tokens]``, the normed, rotated q.
+
+    q: ``[rows >= total_tokens, num_qo_heads, head_dim]``, k/v: ``[rows >= total_tokens, num_kv_heads, head_dim]``
+    — the projections before the norms, in request order, the pool's dtype, read as detached values. The normed,
+    rotated K and the normed V land where ``append_paged_kv`` writes (KV positions ``start_i + j``); RoPE uses
+    those positions. ``norm_style``: ``"gemma4"`` (``x̂·w`` on q and k, ``x̂`` on v) or ``"gemma3"``
+    (``x̂·(1 + w)`` on q and k, v as given); ``q_norm_weight`` / ``k_norm_weight``: ``[head_dim]``, the pool's
+    dtype or fp32. ``eps``: finite, > 0 (used in fp32). ``rope_theta``: RoPE's base, finite, > 0;
+    ``rope_position_factor``: Hugging Face's linear RoPE scaling (positions divided by it), 1.0 = none. Norm
+    statistics and the rotation run in fp32 (``pagedwindow.gemma_prep`` states the math). out_q (optional):
+    like q; rows past ``total_tokens`` are untouched. Nothing is written unless every check passes.
+    """
+    what = "prepare_paged_qkv"
+    norm_style = check_norm_style(norm_style)
+    eps = check_positive_fp32("eps", eps)
+    rope_theta = check_positive_real("rope_theta", rope_theta)
+    rope_position_factor = check_positive_real("rope_position_factor", rope_position_factor)
+    state, geometry = _plan_on_pool(what, plan, layout, pool, layer)
+    rows, hq, hkv, d = state.total_tokens, state.num_qo_heads, state.num_kv_heads, state.head_dim
+    if d % 2 or d > MAX_HEAD_DIM:
+        raise PagedWindowError(f"{what}: head_dim {d} must be even and at most {MAX_HEAD_DIM} (rotate-half RoPE)")
+    inv_freq = rope_inv_freq(d, rope_theta, rope_position_factor)
+    check_angles(inv_freq, state.total_pages * state.page_size)
+    _check_rows(what, "q", q, rows=rows, tail=(hq, d), pool=pool)
+    _check_rows(what, "k", k, rows=rows, tail=(hkv, d), pool=pool)
+    _check_rows(what, "v", v, rows=rows, tail=(hkv, d), pool=pool)
+    _check_norm_weight(what, "q_norm_weight", q_norm_weight, head_dim=d, pool=pool)
+    _check_norm_weight(what, "k_norm_weight", k_norm_weight, head_dim=d, pool=pool)
+    inputs = (("q", q), ("k", k), ("v", v), ("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight))
+    if out_q is None:
+        out_q = torch.empty((rows, hq, d), dtype=q.dtype, device=q.device)
+    else:
+        _check_rows(what, "out_q", out_q, rows=rows, tail=(hq, d), pool=pool)
+        _check_writable(what, "out_q", out_q)
+        _check_disjoint(what, "out_q", out_q, *inputs, ("pool", pool))
+    _check_writable(what, "pool", pool)
+    _check_disjoint(what, "pool", pool, *inputs)
+    chosen = _resolve_backend(what, backend, plan, pool, q, k, v, out_q, q_norm_weight, k_norm_weight)
+    if rows == 0:
+        return out_q[:0]
+    if chosen == "cuda":
+        _cuda_backend().prepare_paged_qkv(
+            q,
+            k,
+            v,
+            pool,
+            geometry,
+            plan,
+            q_norm_weight=q_norm_weight,
+            k_norm_weight=k_norm_weight,
+            eps=eps,
+            rope_theta=rope_theta,
+            rope_position_factor=rope_position_factor,
+            norm_style=norm_style,
+            out_q=out_q,
+        )
+    else:
+        reference.prepare_paged_qkv(
+            q.detach(),
+            k.detach(),
+            v.detach(),
+            pool,
+            geometry,
+            plan,
+            q_norm_weight=q_norm_weight.detach(),
+            k_norm_weight=k_norm_weight.detach(),
+            eps=eps,
+            inv_freq=inv_freq,
+            norm_style=norm_style,
+            out_q=out_q,
+        )
+    return out_q if out_q.shape[0] == rows else out_q[:rows]

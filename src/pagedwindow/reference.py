@@ -99,3 +99,64 @@ def append_paged_kv(
         page_ids, slots = _slots(request_pages[r], plan.page_size, start, start + seq)
         k_cache[page_ids, slots] = k[qo[r] : qo[r] + seq]
         v_cache[page_ids, slots] = v[qo[r] : qo[r] + seq]
+
+
+def _token_positions(plan: PrefillPagedPlan, device) -> torch.Tensor:
+    """The KV position of every new row, in request order: ``start_i + j`` (``[total_tokens]`` long)."""
+    pieces = [torch.arange(s, s + n, device=device) for s, n in zip(plan.start_positions, plan.seq_lens) if n]
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.long, device=device)
+
+
+def _rms_normed(x: torch.Tensor, eps: float, weight: torch.Tensor | None, norm_style: str) -> torch.Tensor:
+    """``x / sqrt(mean(x^2) + eps)`` over the last dim (in ``x``'s dtype, fp32 or fp64), times the norm's weight:
+    ``w`` for gemma4, ``1 + w`` for gemma3, none when ``weight`` is None."""
+    normed = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is None:
+        return normed
+    w = weight.to(x.dtype)
+    return normed * (w if norm_style == "gemma4" else 1.0 + w)
+
+
+def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: ``x [n, h, D]``, ``cos``/``sin`` ``[n, 1, D/2]``."""
+    x1, x2 = x.chunk(2, dim=-1)  # [n, h, D/2] each
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def prepare_paged_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: torch.Tensor,
+    geometry: PagedGeometry,
+    plan: PrefillPagedPlan,
+    *,
+    q_norm_weight: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    eps: float,
+    inv_freq: tuple[float, ...],
+    norm_style: str,
+    out_q: torch.Tensor,
+) -> None:
+    """The Gemma prep (``pagedwindow.gemma_prep``): write the normed, rotated q into ``out_q[:total_tokens]`` and
+    the normed, rotated K and the normed V into each request's new slots (positions ``start_i + j``).
+
+    q/out_q: ``[rows >= total_tokens, num_qo_heads, D]``; k/v: ``[rows >= total_tokens, num_kv_heads, D]``.
+    Math in fp32 (fp64 for fp64 inputs), one rounding to the output dtype; angles ``pos * inv_freq`` in fp32.
+    """
+    rows = plan.total_tokens
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    positions = _token_positions(plan, q.device)  # [rows]
+    freqs = torch.tensor(inv_freq, dtype=torch.float32, device=q.device)  # [D/2]
+    angles = positions.to(torch.float32)[:, None] * freqs[None, :]  # [rows, D/2] fp32
+    cos = angles.cos().to(compute)[:, None, :]  # [rows, 1, D/2]
+    sin = angles.sin().to(compute)[:, None, :]
+    q_rows = _rms_normed(q[:rows].to(compute), eps, q_norm_weight, norm_style)  # [rows, hq, D]
+    k_rows = _rms_normed(k[:rows].to(compute), eps, k_norm_weight, norm_style)  # [rows, hkv, D]
+    out_q[:rows] = _rotated(q_rows, cos, sin).to(out_q.dtype)
+    k_new = _rotated(k_rows, cos, sin).to(pool.dtype)  # [rows, hkv, D]
+    if norm_style == "gemma4":
+        v_new = _rms_normed(v[:rows].to(compute), eps, None, norm_style).to(pool.dtype)  # [rows, hkv, D]
+    else:
+        v_new = v[:rows]  # gemma3: v is written as given
+    append_paged_kv(k_new, v_new, pool, geometry, plan)

@@ -21,6 +21,8 @@ from .build import BuildError, target_for_capability
 PREFILL_HEAD_DIM = 256
 PREFILL_DTYPES = (torch.bfloat16,)
 APPEND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PREPARE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+PREPARE_HEAD_DIMS = (64, 128, 256, 512)
 _log = logging.getLogger(__name__)
 
 
@@ -34,6 +36,11 @@ def unsupported(what: str, plan: PrefillPagedPlan, *tensors: torch.Tensor) -> st
     if what == "append_paged_kv":
         if dtype not in APPEND_DTYPES:
             return f"dtype {dtype} (supported: {APPEND_DTYPES})"
+    elif what == "prepare_paged_qkv":
+        if dtype not in PREPARE_DTYPES:
+            return f"dtype {dtype} (supported: {PREPARE_DTYPES})"
+        if plan.head_dim not in PREPARE_HEAD_DIMS:
+            return f"head_dim {plan.head_dim} (the prep kernel is built for {PREPARE_HEAD_DIMS})"
     elif dtype not in PREFILL_DTYPES:
         return f"dtype {dtype} (supported: {PREFILL_DTYPES})"
     elif plan.head_dim != PREFILL_HEAD_DIM:
@@ -207,3 +214,80 @@ def append_paged_kv(k, v, pool, geometry: PagedGeometry, plan: PrefillPagedPlan)
             token_capacity=cap.max_total_tokens,
         )
     ops.launch_append(block, k, v, pool, geometry.k_offset, geometry.v_offset, geometry.page_stride)
+
+
+def prepare_paged_qkv(
+    q,
+    k,
+    v,
+    pool,
+    geometry: PagedGeometry,
+    plan: PrefillPagedPlan,
+    *,
+    q_norm_weight,
+    k_norm_weight,
+    eps: float,
+    rope_theta: float,
+    rope_position_factor: float,
+    norm_style: str,
+    out_q,
+) -> None:
+    """Launch the fused prep (eager: the launcher directly; compiled: the custom op)."""
+    buffer = plan.device_buffer(q.device)
+    cap = plan.capacity
+    if torch.compiler.is_compiling():
+        ops.prepare_qkv(
+            q,
+            k,
+            v,
+            pool,
+            out_q,
+            q_norm_weight,
+            k_norm_weight,
+            buffer,
+            geometry.k_offset,
+            geometry.v_offset,
+            geometry.page_stride,
+            geometry.page_size,
+            plan.num_qo_heads,
+            plan.num_kv_heads,
+            plan.head_dim,
+            list(cap.segment_offsets()),
+            cap.max_batch,
+            cap.max_total_tokens,
+            eps,
+            rope_theta,
+            rope_position_factor,
+            norm_style,
+        )
+        return
+    key = ("prepare", q.device.index)
+    block = plan.launch_cache.get(key)
+    if block is None:
+        block = plan.launch_cache[key] = ops.prepare_block(
+            buffer,
+            cap.segment_offsets(),
+            page_size=plan.page_size,
+            num_qo_heads=plan.num_qo_heads,
+            num_kv_heads=plan.num_kv_heads,
+            head_dim=plan.head_dim,
+            batch_capacity=cap.max_batch,
+            token_capacity=cap.max_total_tokens,
+        )
+    ops.launch_prepare(
+        block,
+        q,
+        k,
+        v,
+        pool,
+        out_q,
+        q_norm_weight,
+        k_norm_weight,
+        geometry.k_offset,
+        geometry.v_offset,
+        geometry.page_stride,
+        eps,
+        rope_theta,
+        rope_position_factor,
+        norm_style,
+    )

@@ -2,9 +2,9 @@
 the eager path calls, and the same launches as torch custom ops (``torch.ops.pagedwindow.*``) for
 ``torch.compile`` / ``torch.export``.
 
-Each launcher takes one parameter block (``PrefillLaunch`` / ``AppendLaunch``, C structs in ``kernels/``
-mirrored here field by field; their sizes are checked against the library at load). A launch mutates only its
-output, runs on the current stream, synchronises nothing and allocates nothing. The plan's device buffer is
+Each launcher takes one parameter block (``PrefillLaunch`` / ``AppendLaunch`` / ``PrepareLaunch``, C structs in
+``kernels/`` mirrored here field by field; their sizes are checked against the library at load). A launch mutates
+only its outputs, runs on the current stream, synchronises nothing and allocates nothing. The plan's device buffer is
 passed whole (segments at fixed offsets), so CUDA-graph replay after ``plan.update()`` reads the new plan in place.
 """
 
@@ -16,6 +16,7 @@ import threading
 import torch
 
 from .. import settings
+from ..gemma_prep import MAX_HEAD_DIM, rope_inv_freq
 from . import host_pass
 from .build import load_verified, target_for_capability
 
@@ -27,6 +28,7 @@ PREFILL_KERNELS = ("auto", "mma_sync", "wgmma")
 """``$PAGEDWINDOW_PREFILL_KERNEL``: ``auto`` (wgmma on sm_90, mma.sync elsewhere), or force one (benchmarks)."""
 
 _p, _i, _ll, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
+PREPARE_MAX_HALF = MAX_HEAD_DIM // 2  # inverse frequencies the prep's launch block carries
 
 
 class PrefillLaunch(ctypes.Structure):
@@ -81,6 +83,45 @@ class AppendLaunch(ctypes.Structure):
     ]
 
 
+class PrepareLaunch(ctypes.Structure):
+    """Mirror of ``PwPrepareLaunch`` (kernels/prepare_qkv.cu)."""
+
+    _fields_ = [
+        ("q", _p),
+        ("k", _p),
+        ("v", _p),
+        ("q_out", _p),
+        ("pool", _p),
+        ("q_weight", _p),
+        ("k_weight", _p),
+        ("k_offset", _ll),
+        ("v_offset", _ll),
+        ("page_stride", _ll),
+        ("page_indices", _p),
+        ("page_indptr", _p),
+        ("last_page_len", _p),
+        ("qo_indptr", _p),
+        ("plan_scalars", _p),
+        ("page_size", _i),
+        ("num_qo_heads", _i),
+        ("num_kv_heads", _i),
+        ("head_dim", _i),
+        ("dtype", _i),
+        ("weight_fp32", _i),
+        ("norm_style", _i),
+        ("batch_capacity", _i),
+        ("token_capacity", _i),
+        ("eps", _f),
+        ("inv_freq", _f * PREPARE_MAX_HALF),
+    ]
+
+
+PREPARE_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+"""The prep kernel's ``dtype`` field."""
+
+PREPARE_NORM_STYLE_CODES = {"gemma4": 0, "gemma3": 1}
+
+
 def prefill_entry(target: str) -> str:
     """The launcher the prefill op calls on ``target``: the sm_90a wgmma kernel on Hopper, else mma.sync."""
     choice = settings.prefill_kernel()
@@ -98,10 +139,15 @@ def load(path) -> ctypes.CDLL:
         ("pw_prefill_hd256_bf16", PrefillLaunch),
         ("pw_prefill_hd256_bf16_sm90", PrefillLaunch),
         ("pw_append_paged_kv", AppendLaunch),
+        ("pw_prepare_qkv", PrepareLaunch),
     ):
         getattr(lib, name).argtypes = [ctypes.POINTER(block), _p]
         getattr(lib, name).restype = _i
-    for name, block in (("pw_prefill_launch_size", PrefillLaunch), ("pw_append_launch_size", AppendLaunch)):
+    for name, block in (
+        ("pw_prefill_launch_size", PrefillLaunch),
+        ("pw_append_launch_size", AppendLaunch),
+        ("pw_prepare_launch_size", PrepareLaunch),
+    ):
         getattr(lib, name).restype = _i
         if getattr(lib, name)() != ctypes.sizeof(block):
             raise OSError(
@@ -114,6 +160,7 @@ def load(path) -> ctypes.CDLL:
         "pw_prefill_hd256_error_string",
         "pw_prefill_hd256_sm90_error_string",
         "pw_append_paged_kv_error_string",
+        "pw_prepare_qkv_error_string",
     ):
         getattr(lib, name).argtypes = [_i]
         getattr(lib, name).restype = ctypes.c_char_p
@@ -219,6 +266,50 @@ def append_block(
     )
 
 
+def prepare_block(
+    plan_buffer: torch.Tensor,
+    segment_offsets,
+    *,
+    page_size: int,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    batch_capacity: int,
+    token_capacity: int,
+) -> PrepareLaunch:
+    """A prep parameter block with the plan's pointers and sizes filled (tensors, weights and the prep's scalars
+    come per call)."""
+    base = plan_buffer.data_ptr()
+    scalars, page_indptr, last, qo_indptr, _, _, pages = (base + 4 * o for o in segment_offsets)
+    return PrepareLaunch(
+        page_indices=pages,
+        page_indptr=page_indptr,
+        last_page_len=last,
+        qo_indptr=qo_indptr,
+        plan_scalars=scalars,
+        page_size=page_size,
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        batch_capacity=batch_capacity,
+        token_capacity=token_capacity,
+    )
+
+
+_inv_freq_arrays: dict[tuple, ctypes.Array] = {}  # (head_dim, theta, factor) -> the block's inv_freq field
+
+
+def _inv_freq_field(head_dim: int, rope_theta: float, rope_position_factor: float) -> ctypes.Array:
+    key = (head_dim, rope_theta, rope_position_factor)
+    field = _inv_freq_arrays.get(key)
+    if field is None:
+        if len(_inv_freq_arrays) >= 64:
+            _inv_freq_arrays.clear()
+        values = rope_inv_freq(head_dim, rope_theta, rope_position_factor)
+        field = _inv_freq_arrays[key] = (_f * PREPARE_MAX_HALF)(*values)
+    return field
+
+
 # -- direct launches (the eager path) -----------------------------------------------------------------------------
 
 
@@ -262,6 +353,44 @@ def launch_append(
     code = _launch_on(k.device, lib.pw_append_paged_kv, block)
     if code != 0:
         _check(code, "pw_append_paged_kv", lib.pw_append_paged_kv_error_string)
+
+
+def launch_prepare(
+    block: PrepareLaunch,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: torch.Tensor,
+    out_q: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    k_offset: int,
+    v_offset: int,
+    page_stride: int,
+    eps: float,
+    rope_theta: float,
+    rope_position_factor: float,
+    norm_style: str,
+) -> None:
+    """Fill the per-call fields of ``block`` and launch the prep on ``q``'s device's current stream."""
+    block.q, block.k, block.v, block.pool, block.q_out = (
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        pool.data_ptr(),
+        out_q.data_ptr(),
+    )
+    block.q_weight, block.k_weight = q_weight.data_ptr(), k_weight.data_ptr()
+    block.k_offset, block.v_offset, block.page_stride = k_offset, v_offset, page_stride
+    block.dtype = PREPARE_DTYPE_CODES[q.dtype]
+    block.weight_fp32 = int(q_weight.dtype == torch.float32)
+    block.norm_style = PREPARE_NORM_STYLE_CODES[norm_style]
+    block.eps = eps
+    block.inv_freq = _inv_freq_field(block.head_dim, rope_theta, rope_position_factor)
+    lib = _by_device.get(q.device.index) or library(q.device)
+    code = _launch_on(q.device, lib.pw_prepare_qkv, block)
+    if code != 0:
+        _check(code, "pw_prepare_qkv", lib.pw_prepare_qkv_error_string)
 
 
 # -- the same launches as custom ops (what torch.compile and torch.export see) -----------------------------------
@@ -365,5 +494,88 @@ def _(
     segment_offsets,
     batch_capacity,
     token_capacity,
+) -> None:
+    return None
+
+
+@torch.library.custom_op("pagedwindow::prepare_qkv", mutates_args=("pool", "out_q"))
+def prepare_qkv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pool: torch.Tensor,
+    out_q: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    plan_buffer: torch.Tensor,
+    k_offset: int,
+    v_offset: int,
+    page_stride: int,
+    page_size: int,
+    num_qo_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    segment_offsets: list[int],
+    batch_capacity: int,
+    token_capacity: int,
+    eps: float,
+    rope_theta: float,
+    rope_position_factor: float,
+    norm_style: str,
+) -> None:
+    """Gemma's prep: q/k/v norms and RoPE, q into ``out_q``, K/V into their pool slots."""
+    block = prepare_block(
+        plan_buffer,
+        segment_offsets,
+        page_size=page_size,
+        num_qo_heads=num_qo_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        batch_capacity=batch_capacity,
+        token_capacity=token_capacity,
+    )
+    launch_prepare(
+        block,
+        q,
+        k,
+        v,
+        pool,
+        out_q,
+        q_weight,
+        k_weight,
+        k_offset,
+        v_offset,
+        page_stride,
+        eps,
+        rope_theta,
+        rope_position_factor,
+        norm_style,
+    )
+
+
+@prepare_qkv.register_fake
+def _(
+    q,
+    k,
+    v,
+    pool,
+    out_q,
+    q_weight,
+    k_weight,
+    plan_buffer,
+    k_offset,
+    v_offset,
+    page_stride,
+    page_size,
+    num_qo_heads,
+    num_kv_heads,
+    head_dim,
+    segment_offsets,
+    batch_capacity,
+    token_capacity,
+    eps,
+    rope_theta,
+    rope_position_factor,
+    norm_style,
 ) -> None:
     return None

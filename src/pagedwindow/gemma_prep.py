@@ -1,0 +1,96 @@
+"""The Gemma prep's definitions, shared by every backend: the norm styles, RoPE's inverse frequencies and the
+checks of the prep's scalars.
+
+Before a sliding layer's attention, Gemma computes from the projections ``q, k, v`` (``[tokens, heads, D]``)::
+
+    q' = rope(norm(q) * wq)   k' = rope(norm(k) * wk)   v' = norm(v)        (norm_style "gemma4")
+    q' = rope(norm(q) * (1 + wq))   k' = rope(norm(k) * (1 + wk))   v' = v  (norm_style "gemma3")
+
+with ``norm(x) = x / sqrt(mean(x^2) + eps)`` over the head dimension, in fp32. ``rope`` is the rotate-half
+(NeoX) layout over the full head dimension: for ``i < D/2`` and angle ``a_i = pos * inv_freq[i]`` (fp32),
+``x'[i] = x[i] cos a_i - x[i + D/2] sin a_i`` and ``x'[i + D/2] = x[i + D/2] cos a_i + x[i] sin a_i``.
+``pos`` is the token's KV position (``start + j`` for row ``j`` of a request), the position its K lands at.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from functools import lru_cache
+
+import torch
+
+from .errors import PagedWindowError
+from .semantics import round_to_fp32
+
+NORM_STYLES = ("gemma4", "gemma3")
+"""``"gemma4"``: weighted norms ``x̂·w`` on q and k, unweighted ``x̂`` on v; ``"gemma3"``: ``x̂·(1 + w)`` on q
+and k, v unchanged."""
+
+MAX_HEAD_DIM = 512
+"""The widest head the prep takes (Gemma 4's global layers); the launch block carries ``MAX_HEAD_DIM / 2``
+inverse frequencies."""
+
+_FLT_MIN = 1.1754943508222875e-38  # smallest normal fp32
+_FLT_MAX = 3.4028234663852886e38
+
+
+def check_norm_style(norm_style) -> str:
+    if norm_style not in NORM_STYLES:
+        raise PagedWindowError(f"norm_style {norm_style!r} is not one of {NORM_STYLES}")
+    return norm_style
+
+
+def check_positive_fp32(what: str, value) -> float:
+    """A real number that is finite, > 0 and, rounded to fp32 (what the kernels use), a normal fp32 value;
+    returns the fp32 value as a Python float."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise PagedWindowError(f"{what} must be a real number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0.0:
+        raise PagedWindowError(f"{what} = {value!r} must be finite and > 0")
+    rounded = round_to_fp32(value)
+    if not _FLT_MIN <= rounded <= _FLT_MAX:
+        raise PagedWindowError(f"{what} = {value!r} is outside fp32's normal range")
+    return rounded
+
+
+def check_positive_real(what: str, value) -> float:
+    """A real number that is finite and > 0, as a Python float (RoPE's theta and position factor: they enter
+    the same torch ops as Hugging Face's, unrounded)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise PagedWindowError(f"{what} must be a real number, got {value!r}")
+    value = float(value)
+    if not math.isfinite(value) or value <= 0.0:
+        raise PagedWindowError(f"{what} = {value!r} must be finite and > 0")
+    return value
+
+
+@lru_cache(maxsize=64)
+def _inv_freq(head_dim: int, rope_theta: float, position_factor: float) -> tuple[float, ...]:
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim  # [D/2]
+    inv_freq = 1.0 / (rope_theta**exponents)  # [D/2] fp32: Hugging Face's default RoPE, computed the same way
+    if position_factor != 1.0:
+        inv_freq = inv_freq / position_factor  # HF's "linear" RoPE scaling (Gemma 3's global layers)
+    return tuple(inv_freq.tolist())
+
+
+def rope_inv_freq(head_dim: int, rope_theta: float, position_factor: float = 1.0) -> tuple[float, ...]:
+    """RoPE's ``D/2`` fp32 inverse frequencies ``theta^(-2i/D) / position_factor``, computed with the torch ops
+    Hugging Face uses (so a model built on the CPU gets bit-equal angles). Cached per arguments; the values are
+    fp32 numbers held as Python floats. Raises if any is not a finite, positive fp32 value."""
+    inv_freq = _inv_freq(head_dim, rope_theta, position_factor)
+    if not all(_FLT_MIN <= f <= _FLT_MAX for f in inv_freq):
+        raise PagedWindowError(
+            f"rope_theta = {rope_theta!r} with position factor {position_factor!r} gives inverse frequencies "
+            f"outside fp32's normal range ({min(inv_freq)!r} .. {max(inv_freq)!r})"
+        )
+    return inv_freq
+
+
+def check_angles(inv_freq: tuple[float, ...], max_position: int) -> None:
+    """The largest angle ``max_position * max(inv_freq)`` is finite in fp32 (else cos/sin are NaN)."""
+    if max_position > 0 and max(inv_freq) * max_position > _FLT_MAX:
+        raise PagedWindowError(
+            f"RoPE angle at position {max_position} overflows fp32 (inverse frequency up to {max(inv_freq)!r})"
+        )

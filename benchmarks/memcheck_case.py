@@ -1,4 +1,4 @@
-"""A representative launch of both kernels, small enough for compute-sanitizer (memcheck) to finish quickly.
+"""A representative launch of every kernel (prefill, pool write, fused prep), small enough for compute-sanitizer (memcheck) to finish quickly.
 
 Ragged batch, page_size 5 (tiles straddle pages), GQA 2, a prefix (start > 0), a seq-0 request, both tiles.
 Prints the max error against the reference; exit code 1 when it is off.
@@ -75,6 +75,31 @@ def main() -> int:
         torch.cuda.synchronize()
         if out.numel():
             worst = max(worst, (out.float() - ref.float()).abs().max().item() / max(1.0, ref.abs().max().item()))
+    # The fused prep on the same kind of batch (ragged, a prefix, an empty request, page_size 5), both styles.
+    for style in ("gemma4", "gemma3"):
+        case = random_batch(
+            gen,
+            seq_lens=[70, 0, 9],
+            start_positions=[30, 4, 0],
+            page_size=5,
+            num_qo_heads=16,
+            num_kv_heads=8,
+            head_dim=256,
+            dtype=torch.bfloat16,
+            device="cuda",
+        )
+        w = torch.rand(256, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+        outs = []
+        for backend in ("cuda", "reference"):
+            pool = case.pool.clone()
+            q = pw.prepare_paged_qkv(
+                case.q, case.k, case.v, pool, case.layout, case.layer, case.plan, q_norm_weight=w,
+                k_norm_weight=w, eps=1e-6, rope_theta=10000.0, norm_style=style, backend=backend,
+            )  # fmt: skip
+            outs.append((q.float(), pool.float()))
+        torch.cuda.synchronize()
+        (q_cuda, pool_cuda), (q_ref, pool_ref) = outs
+        worst = max(worst, (q_cuda - q_ref).abs().max().item() / 8, (pool_cuda - pool_ref).abs().max().item() / 8)
     print(f"memcheck case: max |cuda - reference| = {worst:.3e}")
     return 0 if worst < 2e-2 else 1
 

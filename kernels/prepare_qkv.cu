@@ -11,10 +11,10 @@
 // pos % page_size; pool layout [num_pages, num_layers, 2 (K, V), page_size, num_kv_heads, head_dim].
 //
 // Work: one CTA per token of the capacity (CTAs past the device-side total_tokens return, so a captured graph
-// stays valid after an in-place plan update). The CTA first computes the token's D/2 (cos, sin) pairs into
-// shared memory, then each warp takes head rows (q heads, then K heads, then V heads) kRowsPerPass at a time:
-// it loads all of them before it computes (bytes in flight), and lane l holds elements [l*E, (l+1)*E) of a
-// row, E = D/32, so lanes 0-15 hold the first half and lane l ^ 16 holds the rotation partner.
+// stays valid after an in-place plan update). The CTA issues its first head rows' loads, then computes the token's D/2
+// (cos, sin) pairs into shared memory, then each warp takes head rows (q heads, then K heads, then V heads)
+// kRowsPerPass at a time: it loads all of them before it computes (bytes in flight), and lane l holds elements [l*E,
+// (l+1)*E) of a row, E = D/32, so lanes 0-15 hold the first half and lane l ^ 16 holds the rotation partner.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -131,6 +131,26 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm<D>()) pw_prepare_q
   const int batch = min(p.plan_scalars[0], p.batch_capacity);
   if (batch <= 0) return;
 
+  const int hq = p.num_qo_heads, hkv = p.num_kv_heads;
+  const int rows = hq + 2 * hkv;  // head rows of this token: q heads, then K heads, then V heads
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  const int c0 = lane * E;         // this lane's first element of a row
+  const bool upper = c0 >= kHalf;  // second half of the row: x' = x cos + partner sin
+  const int f0 = upper ? c0 - kHalf : c0;
+
+  const T* const q = static_cast<const T*>(p.q) + static_cast<long long>(t) * hq * D + c0;   // [hq, D] of t
+  const T* const k = static_cast<const T*>(p.k) + static_cast<long long>(t) * hkv * D + c0;  // [hkv, D]
+  const T* const v = static_cast<const T*>(p.v) + static_cast<long long>(t) * hkv * D + c0;  // [hkv, D]
+  auto source = [&](int h) -> const Row* {
+    return reinterpret_cast<const Row*>(h < hq ? q + h * D : h < hq + hkv ? k + (h - hq) * D : v + (h - hq - hkv) * D);
+  };
+  // The first pass's loads depend on nothing but t: issue them before the plan lookups and the angle table,
+  // so their latency overlaps both.
+  Row raw[kRowsPerPass];
+#pragma unroll
+  for (int b = 0; b < kRowsPerPass; ++b)
+    if (warp + b * kWarps < rows) raw[b] = *source(warp + b * kWarps);
+
   // Request of token t: the largest r in [0, batch) with qo_indptr[r] <= t (skips empty requests).
   int lo = 0, hi = batch;
   while (hi - lo > 1) {
@@ -149,24 +169,11 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm<D>()) pw_prepare_q
   const int slot = pos - page_in_request * p.page_size;
   const long long page = p.page_indices[page_base + page_in_request];
 
-  const int hq = p.num_qo_heads, hkv = p.num_kv_heads;
-  const int rows = hq + 2 * hkv;  // head rows of this token: q heads, then K heads, then V heads
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int c0 = lane * E;         // this lane's first element of a row
-  const bool upper = c0 >= kHalf;  // second half of the row: x' = x cos + partner sin
-  const int f0 = upper ? c0 - kHalf : c0;
-
-  const T* const q = static_cast<const T*>(p.q) + static_cast<long long>(t) * hq * D + c0;   // [hq, D] of t
-  const T* const k = static_cast<const T*>(p.k) + static_cast<long long>(t) * hkv * D + c0;  // [hkv, D]
-  const T* const v = static_cast<const T*>(p.v) + static_cast<long long>(t) * hkv * D + c0;  // [hkv, D]
   T* const q_out = static_cast<T*>(p.q_out) + static_cast<long long>(t) * hq * D + c0;
   T* const slot_base = static_cast<T*>(p.pool) + page * p.page_stride + static_cast<long long>(slot) * hkv * D + c0;
   T* const k_slot = slot_base + p.k_offset;  // [hkv, D] of this slot
   T* const v_slot = slot_base + p.v_offset;
 
-  auto source = [&](int h) -> const Row* {
-    return reinterpret_cast<const Row*>(h < hq ? q + h * D : h < hq + hkv ? k + (h - hq) * D : v + (h - hq - hkv) * D);
-  };
   auto destination = [&](int h) -> Row* {
     return reinterpret_cast<Row*>(h < hq         ? q_out + h * D
                                   : h < hq + hkv ? k_slot + (h - hq) * D
@@ -189,10 +196,11 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm<D>()) pw_prepare_q
   const bool weight_fp32 = p.weight_fp32 != 0;
 
   for (int h0 = warp; h0 < rows; h0 += kWarps * kRowsPerPass) {
-    Row raw[kRowsPerPass];
+    if (h0 != warp) {
 #pragma unroll
-    for (int b = 0; b < kRowsPerPass; ++b)
-      if (h0 + b * kWarps < rows) raw[b] = *source(h0 + b * kWarps);
+      for (int b = 0; b < kRowsPerPass; ++b)
+        if (h0 + b * kWarps < rows) raw[b] = *source(h0 + b * kWarps);
+    }
 #pragma unroll
     for (int b = 0; b < kRowsPerPass; ++b) {
       const int h = h0 + b * kWarps;  // warp-uniform

@@ -13,6 +13,7 @@ def _mutated(op) -> set:
 def test_schemas_declare_exactly_the_written_arguments():
     assert _mutated(torch.ops.pagedwindow.prefill_hd256.default) == {"out", "lse"}
     assert _mutated(torch.ops.pagedwindow.append_paged_kv.default) == {"pool"}
+    assert _mutated(torch.ops.pagedwindow.prepare_qkv.default) == {"pool", "out_q"}
 
 
 def _prefill_args(make):
@@ -51,3 +52,21 @@ def test_export_traces_both_ops_without_running_them():
     kv = torch.zeros(40, 8, 256, dtype=torch.bfloat16)
     graph = torch.export.export(Step(), (*args, kv, kv)).graph_module.code
     assert "pagedwindow.append_paged_kv" in graph and "pagedwindow.prefill_hd256" in graph
+
+
+def test_export_traces_the_prep_op_without_running_it():
+    class Prep(torch.nn.Module):
+        def forward(self, q, k, v, pool, out_q, wq, wk, plan):
+            torch.ops.pagedwindow.prepare_qkv(
+                q, k, v, pool, out_q, wq, wk, plan, 0, 65536, 262144, 16, 16, 8, 256,
+                [0, 3, 6, 8, 11, 31, 51], 2, 40, 1e-6, 10000.0, 1.0, "gemma4",
+            )  # fmt: skip
+            return out_q
+
+    q = torch.zeros(40, 16, 256, dtype=torch.bfloat16)
+    kv = torch.zeros(40, 8, 256, dtype=torch.bfloat16)
+    pool = torch.zeros(9, 2, 2, 16, 8, 256, dtype=torch.bfloat16)
+    w = torch.ones(256, dtype=torch.bfloat16)
+    plan = torch.zeros(64, dtype=torch.int32)
+    graph = torch.export.export(Prep(), (q, kv, kv, pool, torch.zeros_like(q), w, w, plan)).graph_module.code
+    assert "pagedwindow.prepare_qkv" in graph

@@ -28,10 +28,10 @@ from . import reference
 from .errors import PagedWindowError
 from .gemma_prep import (
     MAX_HEAD_DIM,
-    check_angles,
     check_norm_style,
     check_positive_fp32,
     check_positive_real,
+    check_rope,
     rope_inv_freq,
 )
 from .layout import PagedGeometry, PagedKvLayout, checked_paged_geometry
@@ -333,21 +333,25 @@ def prepare_paged_qkv(
     like q; rows past ``total_tokens`` are untouched. Nothing is written unless every check passes.
     """
     what = "prepare_paged_qkv"
-    norm_style = check_norm_style(norm_style)
-    eps = check_positive_fp32("eps", eps)
-    rope_theta = check_positive_real("rope_theta", rope_theta)
-    rope_position_factor = check_positive_real("rope_position_factor", rope_position_factor)
+    norm_style = check_norm_style(what, norm_style)
+    eps = check_positive_fp32(what, "eps", eps)
+    rope_theta = check_positive_real(what, "rope_theta", rope_theta)
+    rope_position_factor = check_positive_real(what, "rope_position_factor", rope_position_factor)
     state, geometry = _plan_on_pool(what, plan, layout, pool, layer)
     rows, hq, hkv, d = state.total_tokens, state.num_qo_heads, state.num_kv_heads, state.head_dim
     if d % 2 or d > MAX_HEAD_DIM:
         raise PagedWindowError(f"{what}: head_dim {d} must be even and at most {MAX_HEAD_DIM} (rotate-half RoPE)")
-    inv_freq = rope_inv_freq(d, rope_theta, rope_position_factor)
-    check_angles(inv_freq, state.total_pages * state.page_size)
+    check_rope(what, d, rope_theta, rope_position_factor, state.total_pages * state.page_size)  # bounds every position
     _check_rows(what, "q", q, rows=rows, tail=(hq, d), pool=pool)
     _check_rows(what, "k", k, rows=rows, tail=(hkv, d), pool=pool)
     _check_rows(what, "v", v, rows=rows, tail=(hkv, d), pool=pool)
     _check_norm_weight(what, "q_norm_weight", q_norm_weight, head_dim=d, pool=pool)
     _check_norm_weight(what, "k_norm_weight", k_norm_weight, head_dim=d, pool=pool)
+    if q_norm_weight.dtype != k_norm_weight.dtype:
+        raise PagedWindowError(
+            f"{what}: q_norm_weight ({q_norm_weight.dtype}) and k_norm_weight ({k_norm_weight.dtype}) "
+            "must share a dtype"
+        )
     inputs = (("q", q), ("k", k), ("v", v), ("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight))
     if out_q is None:
         out_q = torch.empty((rows, hq, d), dtype=q.dtype, device=q.device)
@@ -387,7 +391,7 @@ def prepare_paged_qkv(
             q_norm_weight=q_norm_weight.detach(),
             k_norm_weight=k_norm_weight.detach(),
             eps=eps,
-            inv_freq=inv_freq,
+            inv_freq=rope_inv_freq(d, rope_theta, rope_position_factor),
             norm_style=norm_style,
             out_q=out_q,
         )

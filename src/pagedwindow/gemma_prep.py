@@ -35,62 +35,64 @@ _FLT_MIN = 1.1754943508222875e-38  # smallest normal fp32
 _FLT_MAX = 3.4028234663852886e38
 
 
-def check_norm_style(norm_style) -> str:
-    if norm_style not in NORM_STYLES:
-        raise PagedWindowError(f"norm_style {norm_style!r} is not one of {NORM_STYLES}")
+def check_norm_style(what: str, norm_style) -> str:
+    if not isinstance(norm_style, str) or norm_style not in NORM_STYLES:
+        raise PagedWindowError(f"{what}: norm_style {norm_style!r} is not one of {NORM_STYLES}")
     return norm_style
 
 
-def check_positive_fp32(what: str, value) -> float:
+def _finite_positive(what: str, name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise PagedWindowError(f"{what}: {name} must be a real number, got {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or number <= 0.0:
+        raise PagedWindowError(f"{what}: {name} = {value!r} must be finite and > 0")
+    return number
+
+
+def check_positive_fp32(what: str, name: str, value) -> float:
     """A real number that is finite, > 0 and, rounded to fp32 (what the kernels use), a normal fp32 value;
     returns the fp32 value as a Python float."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise PagedWindowError(f"{what} must be a real number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0.0:
-        raise PagedWindowError(f"{what} = {value!r} must be finite and > 0")
-    rounded = round_to_fp32(value)
+    rounded = round_to_fp32(_finite_positive(what, name, value))
     if not _FLT_MIN <= rounded <= _FLT_MAX:
-        raise PagedWindowError(f"{what} = {value!r} is outside fp32's normal range")
+        raise PagedWindowError(f"{what}: {name} = {value!r} is outside fp32's normal range")
     return rounded
 
 
-def check_positive_real(what: str, value) -> float:
+def check_positive_real(what: str, name: str, value) -> float:
     """A real number that is finite and > 0, as a Python float (RoPE's theta and position factor: they enter
     the same torch ops as Hugging Face's, unrounded)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise PagedWindowError(f"{what} must be a real number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value) or value <= 0.0:
-        raise PagedWindowError(f"{what} = {value!r} must be finite and > 0")
-    return value
+    return _finite_positive(what, name, value)
 
 
 @lru_cache(maxsize=64)
-def _inv_freq(head_dim: int, rope_theta: float, position_factor: float) -> tuple[float, ...]:
+def check_rope(what: str, head_dim: int, rope_theta: float, position_factor: float, max_position: int) -> None:
+    """RoPE's inverse frequencies ``theta^(-2i/D) / position_factor`` are finite, positive fp32 values and the
+    largest angle ``max_position * max(inv_freq)`` is finite in fp32 (else cos/sin are NaN). Plain Python (the
+    extremes are the first and the last frequency), so ``torch.compile`` traces it; cached per arguments."""
+    ends = (1.0 / position_factor, rope_theta ** (-(head_dim - 2) / head_dim) / position_factor)
+    low, high = min(ends), max(ends)
+    if not (_FLT_MIN * 2 <= low and high <= _FLT_MAX / 2):  # a factor of 2 covers the fp32 rounding of the values
+        raise PagedWindowError(
+            f"{what}: rope_theta = {rope_theta!r} with position factor {position_factor!r} gives inverse frequencies "
+            f"outside fp32's normal range ({low!r} .. {high!r})"
+        )
+    if max_position > 0 and high * max_position > _FLT_MAX / 2:
+        raise PagedWindowError(
+            f"RoPE angle at position {max_position} overflows fp32 (inverse frequency up to {high!r})"
+        )
+
+
+@lru_cache(maxsize=64)
+def rope_inv_freq(head_dim: int, rope_theta: float, position_factor: float = 1.0) -> tuple[float, ...]:
+    """RoPE's ``D/2`` fp32 inverse frequencies ``theta^(-2i/D) / position_factor``, computed with the torch ops
+    Hugging Face uses (so a model built on the CPU gets bit-equal angles). Cached per arguments; the values are
+    fp32 numbers held as Python floats. Callers check the arguments with :func:`check_rope` first."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim  # [D/2]
     inv_freq = 1.0 / (rope_theta**exponents)  # [D/2] fp32: Hugging Face's default RoPE, computed the same way
     if position_factor != 1.0:
         inv_freq = inv_freq / position_factor  # HF's "linear" RoPE scaling (Gemma 3's global layers)
     return tuple(inv_freq.tolist())
-
-
-def rope_inv_freq(head_dim: int, rope_theta: float, position_factor: float = 1.0) -> tuple[float, ...]:
-    """RoPE's ``D/2`` fp32 inverse frequencies ``theta^(-2i/D) / position_factor``, computed with the torch ops
-    Hugging Face uses (so a model built on the CPU gets bit-equal angles). Cached per arguments; the values are
-    fp32 numbers held as Python floats. Raises if any is not a finite, positive fp32 value."""
-    inv_freq = _inv_freq(head_dim, rope_theta, position_factor)
-    if not all(_FLT_MIN <= f <= _FLT_MAX for f in inv_freq):
-        raise PagedWindowError(
-            f"rope_theta = {rope_theta!r} with position factor {position_factor!r} gives inverse frequencies "
-            f"outside fp32's normal range ({min(inv_freq)!r} .. {max(inv_freq)!r})"
-        )
-    return inv_freq
-
-
-def check_angles(inv_freq: tuple[float, ...], max_position: int) -> None:
-    """The largest angle ``max_position * max(inv_freq)`` is finite in fp32 (else cos/sin are NaN)."""
-    if max_position > 0 and max(inv_freq) * max_position > _FLT_MAX:
-        raise PagedWindowError(
-            f"RoPE angle at position {max_position} overflows fp32 (inverse frequency up to {max(inv_freq)!r})"
-        )

@@ -655,6 +655,23 @@ def test_bad_norm_style(case, style):
     )
 
 
+# Known bugs in src/ (see the report): strict xfails, so a fix turns them into failures that ask for the marker to go.
+
+
+@pytest.mark.xfail(strict=True, raises=OverflowError, reason="float(10**400) raises OverflowError before any check")
+@pytest.mark.parametrize("name", ["eps", "rope_theta", "rope_position_factor"])
+def test_a_huge_integer_scalar_is_refused(case, name):
+    out_q = out_for(case)
+    expect_refusal(prep_call(case, **{name: 10**400}, out_q=out_q), name, out_q, case.b.pool)
+
+
+@pytest.mark.xfail(strict=True, reason="check_norm_style compares with `in`: a numpy array passes or raises ValueError")
+@pytest.mark.parametrize("style", [np.array(["gemma4"]), np.array(["gemma4", "gemma3"])], ids=["one", "two"])
+def test_a_norm_style_array_is_refused(case, style):
+    out_q = out_for(case)
+    expect_refusal(prep_call(case, norm_style=style, out_q=out_q), "norm_style", out_q, case.b.pool)
+
+
 def test_the_scalars_are_checked_before_the_plan(case):
     expect_refusal(prep_call(case, eps=-1.0, plan=None), "eps = -1.0", case.b.pool)
 

@@ -138,3 +138,167 @@ def test_parameter_block_mirrors_match_the_library(lib):
     assert lib.pw_append_launch_size() == ctypes.sizeof(ops.AppendLaunch)
     assert {f for f, _ in ops.PrefillLaunch._fields_} == set(GOOD_PREFILL)  # the table sets every field
     assert {f for f, _ in ops.AppendLaunch._fields_} == set(GOOD_APPEND)
+
+
+# -- the Gemma prep's launcher (kernels/prepare_qkv.cu) ------------------------------------------------------------
+
+PREPARE_HALF = ops.PREPARE_MAX_HALF  # inverse frequencies the block carries (head_dim up to 512)
+
+
+def inv_freq(*changes, head_dim=256):
+    """The block's inverse frequencies: 10000^(-2i/D) for the first head_dim/2, zero past them (never read), with
+    ``(index, value)`` changes."""
+    values = [10000.0 ** (-2 * i / head_dim) if i < head_dim // 2 else 0.0 for i in range(PREPARE_HALF)]
+    for i, value in changes:
+        values[i] = value
+    return (ctypes.c_float * PREPARE_HALF)(*values)
+
+
+GOOD_PREPARE = dict(
+    q=ALIGNED,
+    k=ALIGNED,
+    v=ALIGNED,
+    q_out=ALIGNED,
+    pool=ALIGNED,
+    q_weight=ALIGNED,
+    k_weight=ALIGNED,
+    k_offset=0,
+    v_offset=65536,
+    page_stride=262144,
+    page_indices=ALIGNED,
+    page_indptr=ALIGNED,
+    last_page_len=ALIGNED,
+    qo_indptr=ALIGNED,
+    plan_scalars=ALIGNED,
+    page_size=16,
+    num_qo_heads=16,
+    num_kv_heads=8,
+    head_dim=256,
+    dtype=0,
+    weight_fp32=0,
+    norm_style=0,
+    batch_capacity=2,
+    token_capacity=40,
+    eps=1e-6,
+    inv_freq=None,  # filled by prepare_block_with
+)
+
+
+def prepare_block_with(**change):
+    fields = {**GOOD_PREPARE, "inv_freq": inv_freq(head_dim=change.get("head_dim", 256)), **change}
+    return ops.PrepareLaunch(**fields)
+
+
+PREPARE_REFUSALS = [
+    # (change, status, distinctive text of the status string)
+    (dict(q=None), -1, "NULL"),
+    (dict(k=None), -1, "NULL"),
+    (dict(v=None), -1, "NULL"),
+    (dict(q_out=None), -1, "NULL"),
+    (dict(pool=None), -1, "NULL"),
+    (dict(q_weight=None), -1, "NULL"),
+    (dict(k_weight=None), -1, "NULL"),
+    (dict(page_indices=None), -1, "NULL"),
+    (dict(page_indptr=None), -1, "NULL"),
+    (dict(last_page_len=None), -1, "NULL"),
+    (dict(qo_indptr=None), -1, "NULL"),
+    (dict(plan_scalars=None), -1, "NULL"),
+    (dict(page_size=0), -2, "page_size, a head count or page_stride < 1"),
+    (dict(num_qo_heads=0), -2, "< 1"),
+    (dict(num_kv_heads=-1), -2, "< 1"),
+    (dict(page_stride=0), -2, "< 1"),
+    (dict(batch_capacity=-1), -2, "a capacity < 0"),
+    (dict(token_capacity=-1), -2, "a capacity < 0"),
+    (dict(head_dim=0), -3, "head_dim is not 64, 128, 256 or 512"),
+    (dict(head_dim=32), -3, "64, 128, 256 or 512"),
+    (dict(head_dim=96), -3, "64, 128, 256 or 512"),
+    (dict(head_dim=510), -3, "64, 128, 256 or 512"),
+    (dict(head_dim=1024), -3, "64, 128, 256 or 512"),
+    (dict(norm_style=2), -4, "norm_style is not 0 (gemma4) or 1 (gemma3)"),
+    (dict(norm_style=-1), -4, "norm_style"),
+    (dict(q=ALIGNED + 2), -5, "not a multiple of a lane's chunk"),  # bf16, head_dim 256: 16-byte chunks
+    (dict(q_out=ALIGNED + 8), -5, "chunk"),
+    (dict(pool=ALIGNED + 4), -5, "chunk"),
+    (dict(k_offset=4), -5, "offset"),  # 8 bytes
+    (dict(v_offset=65540), -5, "offset"),
+    (dict(page_stride=262145), -5, "stride"),
+    (dict(k_weight=ALIGNED + 1), -5, "address"),  # bf16 weights: 2-byte alignment
+    (dict(weight_fp32=1, q_weight=ALIGNED + 2), -5, "address"),  # fp32 weights: 4-byte alignment
+    (dict(eps=0.0), -6, "eps or an inverse frequency is not finite and > 0"),
+    (dict(eps=-1e-6), -6, "eps"),
+    (dict(eps=math.nan), -6, "eps"),
+    (dict(eps=math.inf), -6, "eps"),
+    (dict(inv_freq=inv_freq((0, 0.0))), -6, "inverse frequency"),
+    (dict(inv_freq=inv_freq((127, math.nan))), -6, "inverse frequency"),  # the last one read at head_dim 256
+    (dict(inv_freq=inv_freq((5, math.inf))), -6, "inverse frequency"),
+    (dict(inv_freq=inv_freq((64, -1.0))), -6, "inverse frequency"),
+    (dict(dtype=3), -8, "dtype is not 0 (bf16), 1 (fp16) or 2 (fp32)"),
+    (dict(dtype=-1), -8, "dtype"),
+    (dict(k_offset=-8), -9, "k_offset or v_offset < 0"),
+    (dict(v_offset=-16), -9, "k_offset or v_offset < 0"),
+    (dict(num_qo_heads=2**31 - 1, num_kv_heads=1), -11, "a head count or an offset is too large"),
+    (dict(k_offset=2**61), -11, "too large"),
+    (dict(v_offset=2**62), -11, "too large"),
+    (dict(page_stride=2**61), -11, "too large"),
+]
+
+
+@pytest.mark.parametrize("change, code, text", PREPARE_REFUSALS)
+def test_prepare_launcher_refuses_before_any_cuda_call(lib, change, code, text):
+    block = prepare_block_with(**change)
+    assert lib.pw_prepare_qkv(ctypes.byref(block), None) == code
+    assert text in lib.pw_prepare_qkv_error_string(code).decode()
+
+
+def test_every_prepare_status_has_a_refusal_test():
+    assert {code for _, code, _ in PREPARE_REFUSALS} == {-1, -2, -3, -4, -5, -6, -8, -9, -11}
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 512])
+@pytest.mark.parametrize("dtype", [0, 1, 2])
+@pytest.mark.parametrize("capacity", [dict(token_capacity=0), dict(batch_capacity=0)])
+def test_prepare_launcher_accepts_the_good_block(lib, head_dim, dtype, capacity):
+    """The table's block passes every check (so each refusal above is the changed field's): with an empty
+    capacity the launcher returns OK without launching. Frequencies past head_dim/2 are never read (they are 0)."""
+    block = prepare_block_with(head_dim=head_dim, dtype=dtype, norm_style=1, **capacity)
+    assert lib.pw_prepare_qkv(ctypes.byref(block), None) == 0
+
+
+@pytest.mark.parametrize(
+    "head_dim, dtype, align",
+    [(64, 0, 4), (64, 2, 8), (128, 0, 8), (128, 1, 8), (128, 2, 16), (256, 0, 16), (512, 0, 16), (512, 2, 16)],
+)
+def test_prepare_alignment_is_a_lanes_chunk(lib, head_dim, dtype, align):
+    """A lane moves head_dim/32 elements: addresses and offsets must be multiples of that chunk's bytes, capped at
+    16 (the widest vector)."""
+    elem = 4 if dtype == 2 else 2
+    assert align == min(head_dim // 32 * elem, 16)
+
+    def status(**change):
+        block = prepare_block_with(head_dim=head_dim, dtype=dtype, token_capacity=0, **change)
+        return lib.pw_prepare_qkv(ctypes.byref(block), None)
+
+    for field in ("q", "k", "v", "q_out", "pool"):
+        assert status(**{field: ALIGNED + align}) == 0, field
+        assert status(**{field: ALIGNED + align // 2}) == -5, field
+    for field in ("k_offset", "v_offset", "page_stride"):
+        assert status(**{field: GOOD_PREPARE[field] + align // elem}) == 0, field
+        assert status(**{field: GOOD_PREPARE[field] + align // 2 // elem}) == -5, field
+    weight = 4 if dtype == 2 else 2  # weights in the tensors' dtype: their element's alignment
+    assert status(q_weight=ALIGNED + weight) == 0 and status(q_weight=ALIGNED + weight // 2) == -5
+    assert status(weight_fp32=1, k_weight=ALIGNED + 4) == 0 and status(weight_fp32=1, k_weight=ALIGNED + 2) == -5
+
+
+def test_prepare_status_strings(lib):
+    assert lib.pw_prepare_qkv_error_string(0).decode() == "ok"
+    strings = {code: lib.pw_prepare_qkv_error_string(code).decode() for code in (-1, -2, -3, -4, -5, -6, -8, -9, -11)}
+    assert "unknown pagedwindow status" not in strings.values() and len(set(strings.values())) == len(strings)
+    for unused in (-7, -10, -12, -99):
+        assert lib.pw_prepare_qkv_error_string(unused).decode() == "unknown pagedwindow status"
+
+
+def test_prepare_null_block_and_mirror(lib):
+    assert lib.pw_prepare_qkv(None, None) == -1
+    assert lib.pw_prepare_launch_size() == ctypes.sizeof(ops.PrepareLaunch)
+    assert {f for f, _ in ops.PrepareLaunch._fields_} == set(GOOD_PREPARE)  # the table sets every field
+    assert ops.PrepareLaunch.inv_freq.size == 4 * PREPARE_HALF == 4 * 256

@@ -54,3 +54,126 @@ def test_prompt_chunks_are_checked_and_make_the_steps():
     for bad in ([(2, 2), (3,)], [(5, 0), (3,)]):
         with pytest.raises(pw.PagedWindowError, match=r"chunks \(.*\) do not split a prompt of [53] tokens"):
             prompt_chunks([5, 3], bad)
+
+
+def _prep_kwargs(d, style="gemma4"):
+    gen = torch.Generator().manual_seed(4)
+    return {
+        "q_norm_weight": torch.rand(d, generator=gen) + 0.5,
+        "k_norm_weight": torch.rand(d, generator=gen) + 0.5,
+        "eps": 1e-6,
+        "rope_theta": 10000.0,
+        "norm_style": style,
+    }
+
+
+def _rms(x, w=None):
+    y = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + 1e-6, -0.5)
+    return y if w is None else y * w
+
+
+def _rope(x, pos, theta=10000.0):
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))  # [D/2]
+    ang = pos.float()[:, None] * inv[None]  # [n, D/2]
+    cos, sin = ang.cos()[:, None], ang.sin()[:, None]
+    x1, x2 = x.chunk(2, -1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), -1)
+
+
+def test_prepare_writes_normed_rotated_kv_at_the_states_positions_and_read_kv_reads_them_back():
+    """Two requests, the second step on cached prefixes (positions >= 1): read_kv returns exactly what the prep
+    wrote, K = rope(norm(k) * wk) at positions start + j, V = norm(v); q comes back rotated the same way."""
+    d, hq, hkv = 16, 4, 2
+    state = PagedKvState([(hkv, d)], page_size=3, backend="reference", seed=1)
+    state.reset(2)
+    prep = _prep_kwargs(d)
+    gen = torch.Generator().manual_seed(0)
+    ks, vs = {0: [], 1: []}, {0: [], 1: []}
+    for seq in ([5, 2], [3, 4]):
+        step = state.begin_step(seq)
+        q = torch.randn(sum(seq), hq, d, generator=gen)
+        k, v = torch.randn(sum(seq), hkv, d, generator=gen), torch.randn(sum(seq), hkv, d, generator=gen)
+        q_rot = state.prepare(0, q, k, v, **prep)
+        at = 0
+        for i, n in enumerate(seq):
+            pos = torch.arange(step.start[i], step.start[i] + n)
+            want_q = _rope(_rms(q[at : at + n], prep["q_norm_weight"]), pos)
+            torch.testing.assert_close(q_rot[at : at + n], want_q, rtol=0, atol=1e-6)
+            ks[i].append(_rope(_rms(k[at : at + n], prep["k_norm_weight"]), pos))
+            vs[i].append(_rms(v[at : at + n]))
+            at += n
+    assert state.prep_calls == 2 and state.describe()["prep_calls"] == 2
+    for i in (0, 1):
+        k_back, v_back = state.read_kv(0, i)
+        torch.testing.assert_close(k_back, torch.cat(ks[i]), rtol=0, atol=1e-6)
+        torch.testing.assert_close(v_back, torch.cat(vs[i]), rtol=0, atol=1e-6)
+    k_mid, _ = state.read_kv(0, 1, 2, 4)
+    assert torch.equal(k_mid, state.read_kv(0, 1)[0][2:4])
+
+
+def test_prepare_and_attend_equals_the_prep_then_append_and_attend():
+    d, hq, hkv = 16, 4, 2
+    gen = torch.Generator().manual_seed(2)
+    fused = PagedKvState([(hkv, d)], page_size=4, backend="reference", seed=5)
+    plain = PagedKvState([(hkv, d)], page_size=4, backend="reference", seed=5)
+    prep = _prep_kwargs(d, "gemma3")
+    for s in (fused, plain):
+        s.reset(2)
+    for seq in ([6, 1], [2, 3]):
+        q = torch.randn(sum(seq), hq, d, generator=gen)
+        k, v = torch.randn(sum(seq), hkv, d, generator=gen), torch.randn(sum(seq), hkv, d, generator=gen)
+        fused.begin_step(seq)
+        out = fused.prepare_and_attend(0, q, k, v, **prep, sm_scale=0.25, window_left=4)
+        step = plain.begin_step(seq)
+        assert fused.plan_for(hq, hkv, d).start_positions == plain.plan_for(hq, hkv, d).start_positions
+        # the plain path fed the prep's math, written out here
+        rows, k_rows, v_rows, at = [], [], [], 0
+        for i, n in enumerate(seq):
+            pos = torch.arange(step.start[i], step.start[i] + n)
+            rows.append(_rope(_rms(q[at : at + n], 1.0 + prep["q_norm_weight"]), pos))
+            k_rows.append(_rope(_rms(k[at : at + n], 1.0 + prep["k_norm_weight"]), pos))
+            v_rows.append(v[at : at + n])  # gemma3: v as given
+            at += n
+        want = plain.attend(0, torch.cat(rows), torch.cat(k_rows), torch.cat(v_rows), sm_scale=0.25, window_left=4)
+        torch.testing.assert_close(out, want, rtol=0, atol=1e-5)
+    assert fused.prep_calls == 2 and plain.prep_calls == 0 and fused.attend_calls == plain.attend_calls == 2
+
+
+def test_a_prepared_layer_is_fed_once_and_a_refused_call_can_be_retried():
+    d = 8
+    state = PagedKvState([(1, d)] * 2, page_size=4, backend="reference")
+    state.reset(1)
+    state.begin_step([3])
+    q, k = torch.randn(3, 2, d), torch.randn(3, 1, d)
+    with pytest.raises(pw.PagedWindowError, match=r"norm_style 'gemma5' is not one of"):
+        state.prepare_and_attend(0, q, k, k, **dict(_prep_kwargs(d), norm_style="gemma5"), sm_scale=1.0, window_left=-1)
+    state.prepare_and_attend(0, q, k, k, **_prep_kwargs(d), sm_scale=1.0, window_left=-1)  # the retry runs
+    with pytest.raises(pw.PagedWindowError, match=r"^prepare_and_attend: layer 0 already attended in step 0"):
+        state.prepare_and_attend(0, q, k, k, **_prep_kwargs(d), sm_scale=1.0, window_left=-1)
+    with pytest.raises(pw.PagedWindowError, match=r"^attend: layer 0 already attended"):
+        state.attend(0, q, k, k, sm_scale=1.0, window_left=-1)
+    state.prepare(1, q, k, k, **_prep_kwargs(d))
+    with pytest.raises(pw.PagedWindowError, match=r"^prepare: layer 1 already attended in step 0"):
+        state.prepare(1, q, k, k, **_prep_kwargs(d))
+    with pytest.raises(pw.PagedWindowError, match=r"^prepare: layer 2 out of range \[0, 2\)"):
+        state.prepare(2, q, k, k, **_prep_kwargs(d))
+    state.begin_step([1])  # every layer was fed once
+    with pytest.raises(pw.PagedWindowError, match=r"^prepare: layer 0 got 3 q / 3 k rows for a step of 1"):
+        state.prepare(0, q, k, k, **_prep_kwargs(d))
+
+
+def test_read_kv_refuses_what_the_state_does_not_hold():
+    state = PagedKvState([(1, 8)], page_size=4, backend="reference")
+    state.reset(2)
+    state.begin_step([3, 0])
+    with pytest.raises(pw.PagedWindowError, match=r"^read_kv: no K/V was written yet$"):
+        state.read_kv(0, 0)
+    state.attend(0, torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.randn(3, 1, 8), sm_scale=1.0, window_left=-1)
+    assert state.read_kv(0, 0)[0].shape == (3, 1, 8) and state.read_kv(0, 1)[0].shape == (0, 1, 8)
+    with pytest.raises(pw.PagedWindowError, match=r"^read_kv: positions \[2, 4\) are not within the 3 request 0"):
+        state.read_kv(0, 0, 2, 4)
+    with pytest.raises(pw.PagedWindowError, match=r"^read_kv: request 2 out of range \[0, 2\)$"):
+        state.read_kv(0, 2)
+    with pytest.raises(pw.PagedWindowError, match=r"^read_kv: layer 1 out of range \[0, 1\)$"):
+        state.read_kv(1, 0)

@@ -38,6 +38,7 @@ PREFILL = dict(
     backend="reference",
     device="cpu",
     seed=0,
+    fused_prep=True,
 )
 EXPLORER = dict(
     page_size=5,
@@ -190,6 +191,13 @@ def test_01_prefix_must_be_below_every_prompt_of_the_batch():
         params.check_window_prefill(**dict(PREFILL, prompt_len=50, extra_prompt_lens="[29]", prefix_len=-1))
     assert params.check_window_prefill(**dict(PREFILL, extra_prompt_lens="30,25"))["extra_prompt_lens"] == [30, 25]
     assert params.check_window_prefill(**dict(PREFILL, extra_prompt_lens=[3], prefix_len=0))["prefix_len"] == 0
+
+
+def test_01_fused_prep_is_a_boolean_as_papermill_passes_it():
+    assert params.check_window_prefill(**dict(PREFILL, fused_prep="false"))["fused_prep"] is False
+    assert params.check_window_prefill(**dict(PREFILL, fused_prep="True"))["fused_prep"] is True
+    with pytest.raises(PagedWindowError, match=r"^parameter fused_prep must be true or false, got 'sometimes'"):
+        params.check_window_prefill(**dict(PREFILL, fused_prep="sometimes"))
 
 
 # -- notebook 04 -----------------------------------------------------------------------------------------------------

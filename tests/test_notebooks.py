@@ -146,8 +146,19 @@ def test_01_window_prefill_vs_hf(tmp_path):
     assert kernels["prefill_kernels"] == kernels["kv_copy_paths"] == []
     assert "max |ours − HF eager|" in m["gate_summary"]
     assert [row["layer"] for row in m["layers"]] == [0, 1, 2] and all(row["gate_passed"] for row in m["layers"])
-    for png in ("error_vs_distance", "error_across_pages", "error_per_head", "error_histogram"):
-        assert (tmp_path / "01_window_prefill_vs_hf" / f"{png}.png").is_file()
+    # fused_prep (the default): the sliding layers ran our prep, the full one HF's q/k/v
+    assert m["fused_prep"] is True and m["fused_layers"] == [0, 1]
+    assert [row["fused"] for row in m["layers"]] == [True, True, False]
+    prep = m["prep"]  # the prep panel: part of the gate, every sliding layer's q, k and v
+    assert prep["passed"] is True and prep["failures"] == [] and prep["backend"] == "reference"
+    assert [(r["layer"], r["tensor"]) for r in prep["layers"]] == [(la, t) for la in (0, 1) for t in "qkv"]
+    assert all(r["gate_passed"] and r["ours_max_rel"] <= 1e-5 and r["tokens"] == 69 for r in prep["layers"])
+    assert prep["params"]["0"]["norm_style"] == "gemma4" and prep["params"]["0"]["rope_theta"] == 10000.0
+    assert "Prep (norms + RoPE, paged K/V write): max |ours − ref|" in m["gate_summary"]
+    out = tmp_path / "01_window_prefill_vs_hf"
+    for png in ("error_vs_distance", "error_across_pages", "error_per_head", "error_histogram", "prep_errors"):
+        assert (out / f"{png}.png").is_file()
+    assert (out / "prep.csv").read_text().startswith("case,layer,tensor,tokens,")
 
 
 @pytest.mark.slow

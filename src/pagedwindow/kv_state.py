@@ -1,11 +1,19 @@
 """Paged KV state of a batch of requests across every layer of a model, driven through pagedwindow's public API.
 
 One concept: the resident KV of ``batch_size`` requests. Each *step* gives every request ``seq_i >= 0`` new tokens
-(prefill chunk, or one token in decode); every layer then calls :meth:`PagedKvState.attend` once with the step's
-new q/k/v rows (concatenated in request order): the K/V are appended into the pool with
-``pagedwindow.append_paged_kv`` and attention is read with ``pagedwindow.batch_prefill_paged_window`` through a
-``PrefillPagedPlan`` whose ``start_i`` is what request i already holds. Positions therefore come from this state,
-never from whatever key tensor a caller happens to hold (HF's sliding layers hand over only the last W keys).
+(prefill chunk, or one token in decode); every layer then is fed once with the step's new rows (concatenated in
+request order), by one of:
+
+- :meth:`PagedKvState.attend` (q/k/v after Gemma's norms and RoPE): the K/V are appended into the pool with
+  ``pagedwindow.append_paged_kv``, attention is read with ``pagedwindow.batch_prefill_paged_window``;
+- :meth:`PagedKvState.prepare_and_attend` (the projections before the norms): ``pagedwindow.prepare_paged_qkv``
+  norms and rotates them and writes K/V into the same slots, then the same attention read (nothing is appended
+  twice); :meth:`PagedKvState.prepare` is the prep alone (what the prep oracle compares).
+
+Both read through a ``PrefillPagedPlan`` whose ``start_i`` is what request i already holds. Positions therefore
+come from this state, never from whatever key tensor a caller happens to hold (HF's sliding layers hand over only
+the last W keys). A layer counts as fed once its call returned: a call that raised (nothing written: every op
+checks before it writes) may be retried.
 It knows nothing of any model: ``pagedwindow.hf`` drives it from HF's attention calls, ``pagedwindow.measure``
 from captured q/k/v.
 
@@ -27,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .api import append_paged_kv, batch_prefill_paged_window
+from .api import append_paged_kv, batch_prefill_paged_window, prepare_paged_qkv
 from .errors import PagedWindowError
 from .layout import PagedKvLayout
 from .plan import PrefillPagedPlan
@@ -135,7 +143,8 @@ class PagedKvState:
         self._attended: set = set()
         self._plans: dict = {}
         self.plans_built = 0
-        self.attend_calls = 0
+        self.attend_calls = 0  # layer feeds: attend, prepare, prepare_and_attend
+        self.prep_calls = 0  # of them, through prepare_paged_qkv
 
     # ----------------------------------------------------------------------------------------------------------
     @property
@@ -255,38 +264,168 @@ class PagedKvState:
             raise PagedWindowError("paged state: no step begun (call begin_step)")
         return self.step
 
+    def _feed(self, what: str, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Check one layer's rows for this step (a layer is fed once per step: a second feed is an error).
+        Returns ``(pool group, plan, local layer)``, or None for a step without new rows (the layer is then
+        marked fed at once; otherwise the caller marks it with :meth:`_fed` when its ops returned)."""
+        step = self._require_step()
+        if not 0 <= layer < self.num_layers:
+            raise PagedWindowError(f"{what}: layer {layer} out of range [0, {self.num_layers})")
+        if layer in self._attended:
+            raise PagedWindowError(f"{what}: layer {layer} already attended in step {step.index} (double feed?)")
+        hkv, d = self._layer_geom[layer]
+        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+            raise PagedWindowError(f"{what}: q/k/v must be [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}")
+        if tuple(k.shape[1:]) != (hkv, d) or tuple(v.shape[1:]) != (hkv, d):
+            raise PagedWindowError(f"{what}: layer {layer} k/v {tuple(k.shape)} must be [T, {hkv}, {d}]")
+        if q.shape[0] != step.total_tokens or k.shape[0] != step.total_tokens or v.shape[0] != step.total_tokens:
+            raise PagedWindowError(
+                f"{what}: layer {layer} got {q.shape[0]} q / {k.shape[0]} k rows for a step of {step.total_tokens}"
+            )
+        if step.total_tokens == 0:
+            self._fed(layer)
+            return None
+        self._materialize(k.dtype, k.device)
+        group = self._group_of[layer]
+        return group, self.plan_for(int(q.shape[1]), hkv, d), group.local(layer)
+
+    def _fed(self, layer: int) -> None:
+        self._attended.add(layer)
+        self.attend_calls += 1
+
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float, window_left: int
     ) -> torch.Tensor:
         """Append this step's new K/V of ``layer`` and attend: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` with the
         active requests' rows concatenated in request order (T = step total). Returns ``[T, Hq, D]``."""
-        step = self._require_step()
-        if not 0 <= layer < self.num_layers:
-            raise PagedWindowError(f"attend: layer {layer} out of range [0, {self.num_layers})")
-        if layer in self._attended:
-            raise PagedWindowError(f"attend: layer {layer} already attended in step {step.index} (double feed?)")
-        hkv, d = self._layer_geom[layer]
-        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-            raise PagedWindowError(f"attend: q/k/v must be [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}")
-        if tuple(k.shape[1:]) != (hkv, d) or tuple(v.shape[1:]) != (hkv, d):
-            raise PagedWindowError(f"attend: layer {layer} k/v {tuple(k.shape)} must be [T, {hkv}, {d}]")
-        if q.shape[0] != step.total_tokens or k.shape[0] != step.total_tokens or v.shape[0] != step.total_tokens:
-            raise PagedWindowError(
-                f"attend: layer {layer} got {q.shape[0]} q / {k.shape[0]} k rows for a step of {step.total_tokens}"
-            )
-        self._attended.add(layer)
-        self.attend_calls += 1
-        if step.total_tokens == 0:
+        fed = self._feed("attend", layer, q, k, v)
+        if fed is None:
             return q.new_empty(q.shape)
-        self._materialize(k.dtype, k.device)
-        group = self._group_of[layer]
-        plan = self.plan_for(int(q.shape[1]), hkv, d)
-        local = group.local(layer)
+        group, plan, local = fed
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         append_paged_kv(k, v, group.pool, group.layout, local, plan, backend=self.backend)
-        return batch_prefill_paged_window(
+        out = batch_prefill_paged_window(
             q, group.pool, group.layout, local, plan, sm_scale=sm_scale, window_left=window_left, backend=self.backend
         )
+        self._fed(layer)
+        return out
+
+    def prepare(
+        self,
+        layer: int,
+        q_proj: torch.Tensor,
+        k_proj: torch.Tensor,
+        v_proj: torch.Tensor,
+        *,
+        q_norm_weight: torch.Tensor,
+        k_norm_weight: torch.Tensor,
+        eps: float,
+        rope_theta: float,
+        norm_style: str,
+        rope_position_factor: float = 1.0,
+    ) -> torch.Tensor:
+        """Gemma's prep of ``layer`` for this step, with ``pagedwindow.prepare_paged_qkv``: the normed, rotated K
+        and the normed V of the new rows land in their slots (positions from this state: ``start_i + j``), and
+        the normed, rotated q comes back (``[T, Hq, D]``). q_proj ``[T, Hq, D]``, k_proj/v_proj ``[T, Hkv, D]``:
+        the projections before the norms, rows as in :meth:`attend`. Feeds the layer: an :meth:`attend` of it in
+        the same step is a double feed."""
+        fed = self._feed("prepare", layer, q_proj, k_proj, v_proj)
+        if fed is None:
+            return q_proj.new_empty(q_proj.shape)
+        q = self._prepare(
+            fed,
+            q_proj,
+            k_proj,
+            v_proj,
+            q_norm_weight=q_norm_weight,
+            k_norm_weight=k_norm_weight,
+            eps=eps,
+            rope_theta=rope_theta,
+            norm_style=norm_style,
+            rope_position_factor=rope_position_factor,
+        )
+        self._fed(layer)
+        return q
+
+    def _prepare(self, fed, q_proj, k_proj, v_proj, **prep) -> torch.Tensor:
+        group, plan, local = fed
+        q = prepare_paged_qkv(
+            q_proj.contiguous(),
+            k_proj.contiguous(),
+            v_proj.contiguous(),
+            group.pool,
+            group.layout,
+            local,
+            plan,
+            **prep,
+            backend=self.backend,
+        )
+        self.prep_calls += 1
+        return q
+
+    def prepare_and_attend(
+        self,
+        layer: int,
+        q_proj: torch.Tensor,
+        k_proj: torch.Tensor,
+        v_proj: torch.Tensor,
+        *,
+        q_norm_weight: torch.Tensor,
+        k_norm_weight: torch.Tensor,
+        eps: float,
+        rope_theta: float,
+        norm_style: str,
+        rope_position_factor: float = 1.0,
+        sm_scale: float,
+        window_left: int,
+    ) -> torch.Tensor:
+        """:meth:`prepare` then attention over the pool with the same plan — the prep has already written this
+        step's K/V, so nothing is appended twice. Inputs as :meth:`prepare`; returns ``[T, Hq, D]`` like
+        :meth:`attend`."""
+        fed = self._feed("prepare_and_attend", layer, q_proj, k_proj, v_proj)
+        if fed is None:
+            return q_proj.new_empty(q_proj.shape)
+        q = self._prepare(
+            fed,
+            q_proj,
+            k_proj,
+            v_proj,
+            q_norm_weight=q_norm_weight,
+            k_norm_weight=k_norm_weight,
+            eps=eps,
+            rope_theta=rope_theta,
+            norm_style=norm_style,
+            rope_position_factor=rope_position_factor,
+        )  # [T, Hq, D]
+        group, plan, local = fed
+        out = batch_prefill_paged_window(
+            q, group.pool, group.layout, local, plan, sm_scale=sm_scale, window_left=window_left, backend=self.backend
+        )
+        self._fed(layer)
+        return out
+
+    def read_kv(self, layer: int, request: int, lo: int = 0, hi: int | None = None) -> tuple:
+        """Copies of the K and V ``layer`` holds for ``request`` at positions ``lo .. hi - 1`` (``hi`` None: all
+        it holds), each ``[hi - lo, Hkv, D]``, read from the pool slots (a slot nobody wrote reads NaN)."""
+        if not 0 <= layer < self.num_layers:
+            raise PagedWindowError(f"read_kv: layer {layer} out of range [0, {self.num_layers})")
+        if not 0 <= request < self.batch_size:
+            raise PagedWindowError(f"read_kv: request {request} out of range [0, {self.batch_size})")
+        held = self.kv_lens[request]
+        hi = held if hi is None else hi
+        if not 0 <= lo <= hi <= held:
+            raise PagedWindowError(f"read_kv: positions [{lo}, {hi}) are not within the {held} request {request} holds")
+        group = self._group_of[layer]
+        if group.pool is None:
+            raise PagedWindowError("read_kv: no K/V was written yet")
+        pos = torch.arange(lo, hi)  # [n]
+        pages = torch.tensor(self.pages[request], dtype=torch.long)[pos // self.page_size]  # [n]
+        slots = pos % self.page_size  # [n]
+        local = group.local(layer)
+        pages, slots = pages.to(group.pool.device), slots.to(group.pool.device)
+        k = group.pool[pages, local, 0, slots].clone()  # [n, Hkv, D]
+        v = group.pool[pages, local, 1, slots].clone()  # [n, Hkv, D]
+        return k, v
 
     def describe(self) -> dict:
         return {
@@ -299,4 +438,5 @@ class PagedKvState:
             "steps": self._step_count,
             "plans_built": self.plans_built,
             "attend_calls": self.attend_calls,
+            "prep_calls": self.prep_calls,
         }

@@ -61,3 +61,23 @@ def test_capture_restores_the_model_on_error():
 def test_capture_refuses_an_unknown_implementation():
     with pytest.raises(ValueError, match="flash"):
         capture_attention(tiny("gemma4"), torch.ones(1, 3, dtype=torch.long), driver="flash_attention_2")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_projections_are_the_inputs_of_hfs_norms(family):
+    """The captured projections are what HF's norms take: HF's own v_norm (Gemma 4) of them is the v HF hands
+    its attention, bit for bit; Gemma 3 hands v as projected; a layer without v_proj takes the key projection."""
+    model = tiny(family)
+    ids = torch.randint(3, 512, (1, 13), generator=torch.Generator().manual_seed(3))
+    cap = capture_attention(model, ids, compare=(), projections=True)
+    plain = capture_attention(model, ids, compare=())
+    assert torch.equal(cap.logits, plain.logits)  # the hooks only read
+    assert not any(m.q_proj._forward_hooks for m in (layer.self_attn for layer in model.model.layers))
+    for call, attn in zip(cap.calls, (layer.self_attn for layer in model.model.layers)):
+        assert call.q_proj.shape == (1, 13, 4, 256) and call.k_proj.shape == call.v_proj.shape == (1, 13, 2, 256)
+        with torch.no_grad():
+            v = attn.v_norm(call.v_proj) if family == "gemma4" else call.v_proj
+        assert torch.equal(v.transpose(1, 2), call.v), call.layer_idx
+        if getattr(attn, "v_proj", None) is None:
+            assert torch.equal(call.v_proj, call.k_proj)
+    assert plain.calls[0].q_proj is None

@@ -96,3 +96,37 @@ def test_rows_are_plottable():
     assert len(rows) == 2 * 3
     assert {"request", "step", "hf_token", "ours_token", "logit_err", "floor_err", "margin", "clear"} <= set(rows[0])
     assert len(result.summary()) == 2
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("device", FP32_DEVICES)
+def test_fused_prep_fp32_greedy_decode_matches_hf(family, device):
+    model = tiny(family, torch.float32, device)
+    for case in CASES:
+        result = run_decode_case(model, case, backend="reference", seed=5, fused_prep=True)
+        _assert_decode(result)
+        assert result.fused_prep and result.session["fused_prep"] and result.session["fused_layers"] == [0, 1]
+        # every sliding layer of every forward went through the prep (teacher-forced and free-running)
+        assert result.session["state"]["prep_calls"] == 2 * result.session["forward_steps"]
+        for r in result.requests:
+            assert r.logits.max_rel <= 1e-4 and all(r.clear)
+            assert r.ours_tokens == r.hf_tokens and r.ours_tf_argmax == r.hf_tokens
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("backend", BF16_BACKENDS)
+def test_fused_prep_bf16_greedy_decode_within_the_hf_floor(family, backend):
+    model = tiny(family, torch.bfloat16, device_of(backend))
+    results = [run_decode_case(model, c, backend=backend, seed=5, fused_prep=True) for c in CASES]
+    for result in results:
+        _assert_decode(result)
+        assert result.session["state"]["prep_calls"] == 2 * result.session["forward_steps"]
+    clear = sum(sum(r.clear) for res in results for r in res.requests)
+    total = sum(len(r.clear) for res in results for r in res.requests)
+    assert clear >= total // 3, f"only {clear}/{total} steps have a clear margin: the token check says little"
+
+
+def test_fused_prep_with_a_wrong_window_fails_the_oracle(monkeypatch):
+    monkeypatch.setattr(integration, "window_left_from_sliding_window", lambda w: w if w is not None else -1)
+    result = run_decode_case(tiny("gemma4"), CASES[0], backend="reference", seed=5, fused_prep=True)
+    assert not result.passed and all(not r.logits_gate.passed for r in result.requests)

@@ -214,3 +214,150 @@ def test_kv_shared_models_are_refused():
         pytest.fail(f"could not build the model: {exc}")
     with pytest.raises(pw.PagedWindowError, match="num_kv_shared_layers"):
         use_pagedwindow(model)
+
+
+# -- fused_prep: the sliding layers' prep by prepare_paged_qkv ------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_prep_forward_matches_hf_eager_fp32_and_restore_undoes_it(family):
+    model = tiny(family)
+    ids = _ids(45, seed=1)
+    before = forward_logits(model, ids, impl="eager")
+    session = use_pagedwindow(model, backend="reference", page_size=5, fused_prep=True)
+    sliding = [m for m in (layer.self_attn for layer in model.model.layers) if m.sliding_window is not None]
+    assert session.describe()["fused_layers"] == [0, 1] and len(sliding) == 2
+    assert all("forward" in m.__dict__ for m in sliding)
+    assert not any("forward" in layer.self_attn.__dict__ for layer in model.model.layers[2:])  # full: HF's
+    with torch.no_grad():
+        ours = model(input_ids=ids, use_cache=False).logits
+    assert error_stats(ours, before).max_rel <= 1e-4
+    assert session.state.prep_calls == 2 and session.state.attend_calls == 4
+    restore(model)
+    assert not any("forward" in m.__dict__ or hasattr(m, "_pagedwindow_forward") for m in sliding)
+    assert torch.equal(forward_logits(model, ids, impl="eager"), before)
+
+
+def test_fused_prep_never_runs_hfs_norms_or_rope_on_sliding_layers(monkeypatch):
+    """The fused layers' q/k/v come from our prep: HF's q_norm of a sliding layer is never called (a full
+    layer's is), and NaN cos/sin for the sliding layer type change nothing (RoPE is the op's, at the state's
+    positions)."""
+    model = tiny("gemma4")
+    ids = _ids(20, seed=2)
+    with pagedwindow_attention(model, backend="reference", fused_prep=True), torch.no_grad():
+        clean = model(input_ids=ids, use_cache=False).logits
+    calls = []
+    hooks = [
+        layer.self_attn.q_norm.register_forward_hook(lambda m, i, o, idx=idx: calls.append(idx))
+        for idx, layer in enumerate(model.model.layers)
+    ]
+    rotary = model.model.rotary_emb
+    original = type(rotary).forward
+
+    def poisoned(self, x, position_ids, layer_type=None, **kwargs):
+        cos, sin = original(self, x, position_ids, layer_type, **kwargs)
+        if layer_type == "sliding_attention":
+            return torch.full_like(cos, float("nan")), torch.full_like(sin, float("nan"))
+        return cos, sin
+
+    monkeypatch.setattr(type(rotary), "forward", poisoned)
+    try:
+        with pagedwindow_attention(model, backend="reference", fused_prep=True), torch.no_grad():
+            ours = model(input_ids=ids, use_cache=False).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    assert calls == [2, 3]
+    assert torch.equal(ours, clean)
+    with torch.no_grad():  # the control: HF's own path does read them
+        assert torch.isnan(model(input_ids=ids, use_cache=False).logits).all()
+
+
+def test_fused_prep_chunked_on_a_cached_prefix_equals_one_shot():
+    model = tiny("gemma3")
+    ids = _ids(37, seed=3)
+    one_shot = forward_logits(model, ids, impl="eager")
+    with pagedwindow_attention(model, backend="reference", page_size=3, fused_prep=True) as session, torch.no_grad():
+        first = model(input_ids=ids[:, :20], use_cache=False).logits
+        second = model(input_ids=ids[:, 20:], position_ids=torch.arange(20, 37)[None], use_cache=False).logits
+        assert session.state.kv_lens == [37] and session.state.step.start == (20,)
+        with pytest.raises(pw.PagedWindowError, match="position_ids"):  # the cross-check holds on fused layers
+            model(input_ids=ids[:, :1], position_ids=torch.tensor([[39]]), use_cache=False)
+    assert error_stats(torch.cat([first, second], dim=1), one_shot).max_rel <= 1e-4
+
+
+def test_fused_prep_ragged_batch_with_pads_matches_each_prompt_alone():
+    model = tiny("gemma4")
+    prompts = [_ids(n, seed=10 + n)[0].tolist() for n in (6, 29, 17)]
+    continuation = [[5, 6, 7]] * 3
+    with pagedwindow_attention(model, backend="reference", page_size=5, fused_prep=True):
+        _, batched = step_logits(
+            model, prompts, continuations=continuation, prefill_chunks=((6,), (10, 19), (3, 4, 10))
+        )
+    for i, p in enumerate(prompts):
+        _, alone = step_logits(model, [p], continuations=[continuation[i]], use_cache=True)  # HF eager
+        assert error_stats(batched[i], alone[0]).max_rel <= 1e-4
+
+
+@pytest.mark.parametrize("backend", BF16_BACKENDS)
+def test_fused_prep_forward_bf16_within_hf_floor(backend):
+    model = tiny("gemma4", torch.bfloat16, device_of(backend))
+    ids = _ids(40, seed=2, device=device_of(backend))
+    eager = forward_logits(model, ids, impl="eager")
+    sdpa = forward_logits(model, ids, impl="sdpa")
+    with pagedwindow_attention(model, backend=backend, fused_prep=True) as session, torch.no_grad():
+        ours = model(input_ids=ids, use_cache=False).logits
+        assert session.state.prep_calls == 2
+    result = gate(error_stats(ours, eager), error_stats(sdpa, eager), torch.bfloat16)
+    assert result.passed, result
+
+
+def test_fused_prep_refuses_an_hf_cache_telling_to_pass_use_cache_false():
+    model = tiny("gemma4")
+    ids = _ids(8, seed=4)
+    with pagedwindow_attention(model, backend="reference", fused_prep=True), torch.no_grad():
+        with pytest.raises(pw.PagedWindowError, match=r"HF would build a KV cache \(use_cache on\).*use_cache=False"):
+            model(input_ids=ids)  # config.use_cache is on: HF would make a DynamicCache
+        with pytest.raises(pw.PagedWindowError, match=r"HF would build a KV cache"):
+            model(input_ids=ids, use_cache=True)
+        kw = cache_kwarg(model)
+        with pytest.raises(pw.PagedWindowError, match=rf"an HF cache was passed \({kw}=\).*Pass use_cache=False"):
+            model(input_ids=ids, use_cache=False, **{kw: new_dynamic_cache(model)})
+        with pytest.raises(pw.PagedWindowError, match=r"never update HF's cache"):
+            model.generate(ids, max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+        # generate without a cache re-feeds the whole sequence each step: a new sequence every time
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0, use_cache=False)
+    ref = model.generate(ids, max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out, ref)
+
+
+def test_fused_forward_refuses_a_cache_training_mode_and_a_missing_session():
+    model = tiny("gemma3")
+    attn = model.model.layers[0].self_attn
+    h = torch.randn(1, 3, 256)
+    with pagedwindow_attention(model, backend="reference", fused_prep=True):
+        for name in ("cache", "past_key_values"):
+            with pytest.raises(pw.PagedWindowError, match=rf"layer 0 was handed an HF cache \({name}=\)"):
+                attn(hidden_states=h, attention_mask=None, **{name: new_dynamic_cache(model)})
+        attn.train()
+        try:
+            with pytest.raises(pw.PagedWindowError, match=r"fused forward: layer 0 is in training mode"):
+                attn(hidden_states=h, attention_mask=None)
+        finally:
+            attn.eval()
+        with pytest.raises(pw.PagedWindowError, match=r"attention_mask is a Tensor, not the PagedRows"):
+            attn(hidden_states=h, attention_mask=torch.zeros(1, 1, 3, 3))
+    with pytest.raises(pw.PagedWindowError, match=r"fused forward called on a model without a session"):
+        integration.fused_sliding_forward(attn, h)
+
+
+def test_fused_prep_is_refused_up_front_when_the_prep_is_not_reproducible():
+    from pagedwindow.hf.models import tiny_gemma4
+
+    model = tiny_gemma4(0).to(torch.bfloat16)  # RoPE frequencies rounded to bf16 by the cast
+    with pytest.raises(pw.PagedWindowError, match=r"does not reproduce the model's sliding_attention_inv_freq"):
+        use_pagedwindow(model, backend="reference", fused_prep=True)
+    assert getattr(model, "_pagedwindow_session", None) is None
+    assert not any("forward" in layer.self_attn.__dict__ for layer in model.model.layers)
+    use_pagedwindow(model, backend="reference")  # without the fused prep it still runs HF's own prep
+    restore(model)

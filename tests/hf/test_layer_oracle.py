@@ -99,3 +99,50 @@ def test_results_are_plottable_rows():
     assert len(rows) == 4 and {"case", "layer", "ours_max_abs", "floor_max_abs", "gate_passed"} <= set(rows[0])
     assert len(result.err_by_position) == 2 and result.err_by_position[0][0].shape == (20,)
     assert len(result.plan_summaries) == 1
+
+
+FUSED_CASES = [c for c in CASES if c.name in ("crossing", "chunked", "decode_steps", "ragged_batch")]
+
+
+def _assert_fused(result, dtype):
+    _assert_case(result, dtype)
+    assert result.fused_layers == [0, 1]
+    assert [e.fused for e in result.layers] == [True, True, False, False]
+    for e in result.layers:
+        if e.fused and dtype == torch.bfloat16:
+            # the rule's premise: our prep + attention is no further from the truth (of the projections) than HF
+            assert e.ours_vs_truth.max_abs <= max(e.eager_vs_truth.max_abs, torch.finfo(dtype).eps * e.ours.ref_max)
+            assert e.floor.max_abs == e.eager_vs_truth.max_abs > 0  # the fused floor: HF eager's own error
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("device", FP32_DEVICES)
+@pytest.mark.parametrize("case", FUSED_CASES, ids=[c.name for c in FUSED_CASES])
+def test_fused_prep_fp32_per_layer_within_rel_1e_4_of_hf_eager(family, device, case):
+    result = run_layer_case(tiny(family, torch.float32, device), case, backend="reference", seed=11, fused_prep=True)
+    _assert_fused(result, torch.float32)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("backend", BF16_BACKENDS)
+@pytest.mark.parametrize("case", FUSED_CASES, ids=[c.name for c in FUSED_CASES])
+def test_fused_prep_bf16_per_layer_within_the_hf_floor(family, backend, case):
+    model = tiny(family, torch.bfloat16, device_of(backend))
+    result = run_layer_case(model, case, backend=backend, seed=11, fused_prep=True)
+    _assert_fused(result, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_prep_with_the_full_layers_rope_base_fails_the_gate(monkeypatch, dtype):
+    """Negative control: the sliding layers rotated with the full layers' base (1e6) fail, full layers pass."""
+    import dataclasses
+
+    original = layer_oracle.sliding_prep
+    monkeypatch.setattr(
+        layer_oracle,
+        "sliding_prep",
+        lambda model: {k: dataclasses.replace(p, rope_theta=1e6) for k, p in original(model).items()},
+    )
+    result = run_layer_case(tiny("gemma4", dtype), CASES[1], backend="reference", seed=11, fused_prep=True)
+    assert [e.gate.passed for e in result.layers] == [False, False, True, True]
+    assert all(e.gate.value > 2 * e.gate.limit for e in result.layers if e.fused)

@@ -115,3 +115,19 @@ def test_the_output_head_is_tied_unless_asked_otherwise(family):
     assert not torch.equal(own.lm_head.weight, own.model.embed_tokens.weight)
     # the rest of the model is the same draw: only the head differs
     assert torch.equal(own.model.layers[0].self_attn.q_proj.weight, tied.model.layers[0].self_attn.q_proj.weight)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_bf16_model_keeps_its_rope_frequencies_in_fp32_as_from_pretrained_does(family, tmp_path):
+    fp32 = tiny(family)
+    bf16 = BUILDERS[family](0, dtype=torch.bfloat16)
+    for name, buf in fp32.model.rotary_emb.named_buffers():
+        if name.endswith("inv_freq"):
+            got = dict(bf16.model.rotary_emb.named_buffers())[name]
+            assert got.dtype == torch.float32 and torch.equal(got, buf), name
+    # what from_pretrained(dtype=bf16) does with a checkpoint: the same fp32 frequencies
+    fp32.save_pretrained(tmp_path)
+    loaded = type(fp32).from_pretrained(tmp_path, dtype=torch.bfloat16)
+    for name, buf in loaded.model.rotary_emb.named_buffers():
+        if name.endswith("inv_freq"):
+            assert buf.dtype == torch.float32 and torch.equal(buf, dict(bf16.model.rotary_emb.named_buffers())[name])

@@ -4,6 +4,8 @@ Modules (one concept each):
 - ``models``: tiny seeded Gemma 4 / Gemma 3 causal LMs with randomised norms and layer scalars;
 - ``capture``: per-layer capture of what HF hands its attention function (q, k, v, output, scaling, window),
   with HF's other backend evaluated on the same inputs (the floor);
+- ``prep_oracle``: captured q/k/v projections through ``prepare_paged_qkv`` (a paged pool, a plan) vs HF's own
+  norms and RoPE, per sliding layer, against HF's prep in fp32 (the bf16 floor);
 - ``layer_oracle``: captured q/k/v through pagedwindow vs HF eager, per layer, next to HF's sdpa floor;
 - ``integration``: ``use_pagedwindow(model)`` / ``restore(model)`` — an HF model running every layer through
   pagedwindow (registered with ``AttentionInterface`` and ``AttentionMaskInterface``);
@@ -39,6 +41,14 @@ _EXPORTS = {
     "LayerCall": "capture",
     "PagedKvState": ".kv_state",
     "StepInfo": ".kv_state",  # pagedwindow.kv_state (the core)
+    "PrepCase": "prep_oracle",
+    "PrepError": "prep_oracle",
+    "PrepResult": "prep_oracle",
+    "default_prep_cases": "prep_oracle",
+    "run_prep_case": "prep_oracle",
+    "sliding_prep": "_compat",
+    "LayerPrep": "_compat",
+    "keep_rotary_fp32": "models",
     "LayerCase": "layer_oracle",
     "LayerCaseResult": "layer_oracle",
     "LayerError": "layer_oracle",

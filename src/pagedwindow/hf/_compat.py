@@ -7,6 +7,10 @@ Handled here:
   releases, per-layer overrides (``per_layer_config``) since — the builders pass them as keywords (accepted by
   both) and then *verify* every layer's geometry on the built model (:func:`attention_geometry`) instead of
   trusting a version number;
+- the sliding layers' RoPE base: ``config.rope_parameters["sliding_attention"]["rope_theta"]`` in every 5.x
+  (Gemma 3's old ``rope_local_base_freq`` is folded into it by the config), read by :func:`sliding_prep`, which
+  then *verifies* it against the built rotary module's ``sliding_attention_inv_freq`` bit for bit (5.17
+  computes the angles as a matmul, later releases as a product: one fp32 product either way);
 - the cache-update call site moved (``past_key_values.update(...)`` in the attention module, later
   ``cache.update(..., kwargs=...)``): it happens before the attention function in every version, so we never
   depend on it — the attention function always takes the new K/V as the last ``q_len`` rows it is handed.
@@ -189,3 +193,161 @@ def attention_geometry(model) -> list[LayerGeometry]:
 def model_dtype_device(model) -> tuple[torch.dtype, torch.device]:
     p = next(model.parameters())
     return p.dtype, p.device
+
+
+NORM_STYLE_OF_MODEL_TYPE = {"gemma4_text": "gemma4", "gemma3_text": "gemma3"}
+"""HF ``config.model_type`` -> the ``norm_style`` of ``pagedwindow.prepare_paged_qkv``."""
+_NORM_CLASS = {"gemma4": "Gemma4RMSNorm", "gemma3": "Gemma3RMSNorm"}
+SLIDING = "sliding_attention"
+
+
+@dataclass(frozen=True)
+class LayerPrep:
+    """What ``prepare_paged_qkv`` needs to reproduce one sliding layer's q/k/v prep, read off the built model.
+
+    ``q_norm_weight`` / ``k_norm_weight`` are the modules' parameters themselves (``[head_dim]``, the model's
+    dtype; the op reads them detached)."""
+
+    layer_idx: int
+    norm_style: str  # "gemma4" | "gemma3"
+    q_norm_weight: torch.Tensor  # [head_dim]
+    k_norm_weight: torch.Tensor  # [head_dim]
+    eps: float
+    rope_theta: float
+    rope_position_factor: float
+    sm_scale: float  # the module's ``scaling``
+    sliding_window: int  # HF's W
+
+    def prep_kwargs(self) -> dict:
+        """The keywords of ``prepare_paged_qkv`` / ``PagedKvState.prepare``."""
+        return {
+            "q_norm_weight": self.q_norm_weight,
+            "k_norm_weight": self.k_norm_weight,
+            "eps": self.eps,
+            "rope_theta": self.rope_theta,
+            "norm_style": self.norm_style,
+            "rope_position_factor": self.rope_position_factor,
+        }
+
+
+def _sliding_rope(model) -> tuple[float, float]:
+    """(theta, position factor) of the sliding layers' RoPE from the config; only "default" and "linear" RoPE
+    are the prep's (anything else rescales or mixes frequencies in ways the op does not)."""
+    config = model.config
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and isinstance(params.get(SLIDING), dict):
+        params = params[SLIDING]
+    elif isinstance(params, dict) and "rope_theta" in params:
+        pass  # one dict for every layer type
+    elif getattr(config, "rope_local_base_freq", None) is not None:
+        params = {"rope_type": "default", "rope_theta": config.rope_local_base_freq}
+    else:
+        raise PagedWindowError(
+            f"fused prep: {type(config).__name__} names no RoPE base for its sliding layers "
+            "(rope_parameters['sliding_attention']['rope_theta'] or rope_local_base_freq)"
+        )
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        factor = 1.0
+    elif rope_type == "linear":
+        factor = float(params["factor"])
+    else:
+        raise PagedWindowError(
+            f"fused prep: the sliding layers' RoPE is {rope_type!r}; prepare_paged_qkv does 'default' and 'linear'"
+        )
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise PagedWindowError(
+            f"fused prep: the sliding layers rotate a part of the head (partial_rotary_factor "
+            f"{params['partial_rotary_factor']}); prepare_paged_qkv rotates all of it"
+        )
+    return float(params["rope_theta"]), factor
+
+
+def _check_rotary(model, head_dim: int, theta: float, factor: float) -> None:
+    """The built rotary module's sliding-layer frequencies are exactly ``rope_inv_freq(head_dim, theta, factor)``
+    (fp32, bit for bit) and its attention scaling is 1 — else the prep's angles would not be HF's."""
+    from ..gemma_prep import rope_inv_freq
+
+    rotary = getattr(decoder(model), "rotary_emb", None)
+    inv_freq = getattr(rotary, f"{SLIDING}_inv_freq", None)
+    if not isinstance(inv_freq, torch.Tensor):
+        raise PagedWindowError(
+            f"fused prep: the model's rotary module ({type(rotary).__name__}) has no {SLIDING}_inv_freq buffer"
+        )
+    ours = torch.tensor(rope_inv_freq(head_dim, theta, factor), dtype=torch.float32)  # [D/2]
+    if inv_freq.dtype != torch.float32 or inv_freq.shape != ours.shape or not torch.equal(inv_freq.cpu(), ours):
+        differ = (
+            f"dtype {inv_freq.dtype}, shape {tuple(inv_freq.shape)}"
+            if inv_freq.dtype != torch.float32 or inv_freq.shape != ours.shape
+            else f"{int((inv_freq.cpu() != ours).sum())} of {ours.numel()} values differ"
+        )
+        raise PagedWindowError(
+            f"fused prep: rope_theta {theta!r} (factor {factor!r}) does not reproduce the model's "
+            f"{SLIDING}_inv_freq bit for bit ({differ}; fp32 [{ours.numel()}] expected). A model cast with "
+            "model.to(bfloat16) has its RoPE frequencies rounded to bf16: load it with from_pretrained(dtype=...) "
+            "or keep the rotary buffers fp32 (pagedwindow.hf.models.keep_rotary_fp32)"
+        )
+    scaling = getattr(rotary, f"{SLIDING}_attention_scaling", 1.0)
+    if scaling != 1.0:
+        raise PagedWindowError(
+            f"fused prep: the sliding layers' RoPE attention_scaling is {scaling!r}, not 1 (cos/sin are scaled; "
+            "prepare_paged_qkv does not scale them)"
+        )
+
+
+def _layer_prep(module, style: str, theta: float, factor: float) -> LayerPrep:
+    layer = int(module.layer_idx)
+    norms = {name: getattr(module, name, None) for name in ("q_norm", "k_norm", "v_norm")}
+    for name in ("q_norm", "k_norm"):
+        norm = norms[name]
+        if type(norm).__name__ != _NORM_CLASS[style] or not isinstance(getattr(norm, "weight", None), torch.Tensor):
+            raise PagedWindowError(
+                f"fused prep: layer {layer}'s {name} is {type(norm).__name__}, not a weighted {_NORM_CLASS[style]}"
+            )
+    v_norm = norms["v_norm"]
+    if style == "gemma4" and (
+        type(v_norm).__name__ != _NORM_CLASS[style] or getattr(v_norm, "weight", None) is not None
+    ):
+        raise PagedWindowError(
+            f"fused prep: layer {layer}'s v_norm must be an unweighted {_NORM_CLASS[style]} (x / rms(x)); "
+            f"got {type(v_norm).__name__}{' with a weight' if getattr(v_norm, 'weight', None) is not None else ''}"
+        )
+    if style == "gemma3" and v_norm is not None:
+        raise PagedWindowError(f"fused prep: layer {layer} has a v_norm; Gemma 3's prep leaves v as projected")
+    eps = {float(n.eps) for n in norms.values() if n is not None}
+    if len(eps) != 1:
+        raise PagedWindowError(f"fused prep: layer {layer}'s q/k/v norms use different eps {sorted(eps)}")
+    return LayerPrep(
+        layer_idx=layer,
+        norm_style=style,
+        q_norm_weight=norms["q_norm"].weight,
+        k_norm_weight=norms["k_norm"].weight,
+        eps=eps.pop(),
+        rope_theta=theta,
+        rope_position_factor=factor,
+        sm_scale=float(module.scaling),
+        sliding_window=int(module.sliding_window),
+    )
+
+
+def sliding_prep(model) -> dict[int, LayerPrep]:
+    """Per sliding layer (by index), what ``prepare_paged_qkv`` needs to reproduce HF's q/k/v prep, every piece
+    checked against the built model: the family's norm style (``config.model_type``) and norm classes, one eps,
+    an unweighted v_norm (Gemma 4) or none (Gemma 3), and a RoPE base that reproduces the rotary module's
+    frequencies bit for bit with attention scaling 1. Raises ``PagedWindowError`` naming what does not fit."""
+    style = NORM_STYLE_OF_MODEL_TYPE.get(getattr(model.config, "model_type", None))
+    if style is None:
+        raise PagedWindowError(
+            f"fused prep: model_type {getattr(model.config, 'model_type', None)!r} is not one of "
+            f"{sorted(NORM_STYLE_OF_MODEL_TYPE)} (Gemma 4 / Gemma 3 text models)"
+        )
+    geometry = {g.layer_idx: g for g in attention_geometry(model)}
+    sliding = [m for m in attention_modules(model) if geometry[int(m.layer_idx)].layer_type == SLIDING]
+    if not sliding:
+        return {}
+    head_dims = {geometry[int(m.layer_idx)].head_dim for m in sliding}
+    if len(head_dims) != 1:
+        raise PagedWindowError(f"fused prep: the sliding layers have head_dims {sorted(head_dims)}")
+    theta, factor = _sliding_rope(model)
+    _check_rotary(model, head_dims.pop(), theta, factor)
+    return {int(m.layer_idx): _layer_prep(m, style, theta, factor) for m in sliding}

@@ -8,6 +8,10 @@ model continues with (so the trajectory is exactly HF's own under that implement
 backend floor "on the same inputs". Each implementation gets the mask HF builds for it (``eager_mask`` /
 ``sdpa_mask``), never a mask translated by us.
 
+With ``projections=True`` each layer's q/k/v projections (the outputs of ``q_proj`` / ``k_proj`` / ``v_proj``
+before any norm, ``[B, S, H, D]``; a layer without ``v_proj`` — Gemma 4's full layers with ``attention_k_eq_v`` —
+takes its value from the key projection, as HF does) are recorded too, from forward hooks on those modules.
+
 The model is run without a KV cache (``use_cache=False``), so the k/v a layer receives are exactly the prompt's
 rows; the model's previous attention implementation is restored afterwards.
 """
@@ -45,6 +49,9 @@ class LayerCall:
     sliding_window: int | None
     position_ids: torch.Tensor | None  # [B or 1, S]
     driver: str
+    q_proj: torch.Tensor | None = None  # [B, S, Hq, D], before q_norm (``projections=True``)
+    k_proj: torch.Tensor | None = None  # [B, S, Hkv, D], before k_norm
+    v_proj: torch.Tensor | None = None  # [B, S, Hkv, D], before v_norm (the key projection without v_proj)
 
     @property
     def out(self) -> torch.Tensor:
@@ -129,14 +136,39 @@ def register_capture() -> str:
     return register_attention(CAPTURE_IMPL, _capture_attention, _capture_mask)
 
 
+def _projection_hooks(modules, store: dict) -> list:
+    """Forward hooks recording every layer's q/k/v projections into ``store[layer] = {"q": ..., ...}``
+    (``[B, S, H, D]`` copies); returns the hook handles."""
+    handles = []
+    for m in modules:
+        layer, head_dim = int(m.layer_idx), int(m.head_dim)
+        sources = {"q": m.q_proj, "k": m.k_proj, "v": m.v_proj if getattr(m, "v_proj", None) is not None else m.k_proj}
+        for name, proj in sources.items():
+
+            def hook(_mod, _inp, out, layer=layer, name=name, head_dim=head_dim):
+                store.setdefault(layer, {})[name] = out.detach().clone().view(*out.shape[:-1], -1, head_dim)
+
+            # the same module may feed k and v (no v_proj): one hook per (module, name)
+            handles.append(proj.register_forward_hook(hook))
+    return handles
+
+
 @torch.no_grad()
 def capture_attention(
-    model, input_ids: torch.Tensor, *, driver: str = "eager", compare=("sdpa",), **forward_kwargs
+    model,
+    input_ids: torch.Tensor,
+    *,
+    driver: str = "eager",
+    compare=("sdpa",),
+    projections: bool = False,
+    **forward_kwargs,
 ) -> AttentionCapture:
     """Run ``model(input_ids)`` once under ``driver`` and capture every layer's attention inputs and outputs.
 
     input_ids: ``[B, S]`` (use B = 1 per prompt: no padding). ``compare``: implementations evaluated on the same
-    inputs (the floor). Returns an :class:`AttentionCapture`; the model's attention implementation is restored.
+    inputs (the floor). ``projections``: also record each layer's q/k/v projections (:class:`LayerCall`'s
+    ``q_proj`` / ``k_proj`` / ``v_proj``). Returns an :class:`AttentionCapture`; the model's attention
+    implementation is restored and the hooks removed.
     """
     register_capture()
     compare = tuple(c for c in compare if c != driver)
@@ -146,17 +178,29 @@ def capture_attention(
     ctx = _CaptureContext(driver, compare)
     modules = attention_modules(model)
     config = model.config
+    store: dict = {}
+    handles: list = []
     try:
         for m in modules:
             m._pagedwindow_capture = ctx
         _ACTIVE_IMPLS[id(config)] = ctx.impls
+        if projections:
+            handles = _projection_hooks(modules, store)
         with attention_implementation(model, CAPTURE_IMPL):
             out = model(input_ids=input_ids, use_cache=False, **forward_kwargs)
     finally:
+        for h in handles:
+            h.remove()
         for m in modules:
             if hasattr(m, "_pagedwindow_capture"):
                 del m._pagedwindow_capture
         _ACTIVE_IMPLS.pop(id(config), None)
+    for call in ctx.capture.calls:
+        if projections:
+            got = store.get(call.layer_idx, {})
+            if set(got) != {"q", "k", "v"}:
+                raise PagedWindowError(f"capture: layer {call.layer_idx} recorded projections {sorted(got)}")
+            call.q_proj, call.k_proj, call.v_proj = got["q"], got["k"], got["v"]
     ctx.capture.logits = out.logits.detach().clone()
     if ctx.capture.num_layers != len(modules) or len(ctx.capture.calls) != len(modules):
         raise PagedWindowError(f"capture saw {len(ctx.capture.calls)} attention calls for {len(modules)} layers")

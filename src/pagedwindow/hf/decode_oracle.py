@@ -10,6 +10,10 @@ Per case and per prompt:
 4. Ours, free-running: greedy on our own logits — through ``model.generate`` on the left-padded batch (HF's
    DynamicCache on; we take only the new rows), or, for chunked prefill, through the same stepper.
 
+``fused_prep=True`` runs steps 3 and 4 under ``use_pagedwindow(model, fused_prep=True)``: the sliding layers'
+norms and RoPE are ``prepare_paged_qkv``'s, and with no HF cache allowed the free-running tokens come from the
+stepper (``use_cache=False``) in every case.
+
 Gates (:mod:`~pagedwindow.hf.tolerance`): logits — ours vs HF eager over all steps of a prompt, fp32 max_rel
 <= 1e-4, bf16 max_abs <= max(2 * floor, eps * max|ref|). Tokens — teacher-forced argmax == HF's token at every step
 whose HF margin is clear (> 2 * the logits tolerance); free-running tokens == HF's up to the first unclear step
@@ -253,6 +257,7 @@ class DecodeResult:
     backend: str
     requests: list = field(default_factory=list)
     session: dict = field(default_factory=dict)
+    fused_prep: bool = False
 
     @property
     def compared_steps(self) -> int:
@@ -345,9 +350,18 @@ class DecodeResult:
 
 @torch.no_grad()
 def run_decode_case(
-    model, case: DecodeCase, *, backend: str = "auto", seed: int = 0, prompts: list | None = None
+    model,
+    case: DecodeCase,
+    *,
+    backend: str = "auto",
+    seed: int = 0,
+    prompts: list | None = None,
+    fused_prep: bool = False,
 ) -> DecodeResult:
-    """Run one :class:`DecodeCase` (see the module docstring). The model's attention is restored afterwards."""
+    """Run one :class:`DecodeCase` (see the module docstring). The model's attention is restored afterwards.
+    ``fused_prep``: our path runs under ``use_pagedwindow(model, fused_prep=True)`` (the sliding layers' norms
+    and RoPE by ``prepare_paged_qkv``); HF's cache cannot be used then, so the free-running tokens come from the
+    stepper too (``use_cache=False``, explicit positions) instead of ``generate``."""
     dtype, _ = model_dtype_device(model)
     if prompts is None:
         prompts = random_prompts(case.prompt_lens, vocab_size=model.config.vocab_size, seed=seed)
@@ -358,18 +372,22 @@ def run_decode_case(
             step_logits(model, [p], continuations=[toks], use_cache=True)[1][0] for p, (toks, _) in zip(prompts, hf)
         ]
     hf_previous = model.config._attn_implementation
-    with pagedwindow_attention(model, backend=backend, page_size=case.page_size, seed=seed) as session:
+    with pagedwindow_attention(
+        model, backend=backend, page_size=case.page_size, seed=seed, fused_prep=fused_prep
+    ) as session:
         _, ours_tf = step_logits(
             model, prompts, continuations=[t for t, _ in hf], prefill_chunks=case.prefill_chunks, use_cache=False
         )
-        if case.prefill_chunks is None:
+        if case.prefill_chunks is None and not fused_prep:
             ours_free = _generate_batch(model, prompts, n)
         else:
             ours_free, _ = step_logits(model, prompts, max_new_tokens=n, prefill_chunks=case.prefill_chunks)
         session_info = session.describe()
     if model.config._attn_implementation != hf_previous:
         raise PagedWindowError("restore() did not bring back the model's attention implementation")
-    result = DecodeResult(case=case, dtype=str(dtype).replace("torch.", ""), backend=backend, session=session_info)
+    result = DecodeResult(
+        case=case, dtype=str(dtype).replace("torch.", ""), backend=backend, session=session_info, fused_prep=fused_prep
+    )
     for i, prompt in enumerate(prompts):
         hf_tokens, hf_logits = hf[i]
         ours, sdpa = ours_tf[i], floor[i]

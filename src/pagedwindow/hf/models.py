@@ -4,7 +4,9 @@ Seeded and reproducible: the same ``seed`` gives bit-identical weights in every 
 so building a model does not disturb the caller's random state). Random init leaves every RMSNorm at identity and
 Gemma 4's ``layer_scalar`` at 1, which would hide wiring bugs (a q/k norm applied twice, a missing scalar), so
 :func:`randomize_norms` draws them. Models come back in eval mode, in ``dtype`` (built in fp32, then cast, so an
-fp32 and a bf16 model of one seed share weights up to bf16 rounding).
+fp32 and a bf16 model of one seed share weights up to bf16 rounding). The rotary modules' inverse frequencies
+(``*inv_freq`` buffers) stay fp32 in every dtype, as ``from_pretrained(dtype=torch.bfloat16)`` leaves them: a plain
+``model.to(torch.bfloat16)`` would round them to bf16 and move every RoPE angle (at position 100 by up to ~0.1 rad).
 """
 
 from __future__ import annotations
@@ -98,9 +100,31 @@ def randomize_norms(model, seed: int) -> None:
                 scalar.copy_(_uniform(gen, scalar.shape, *LAYER_SCALAR_RANGE).to(scalar.dtype))
 
 
+def _rotary_buffers(model) -> dict:
+    """Every rotary module's inverse-frequency buffers, ``{(module name, buffer name): tensor}``."""
+    return {
+        (name, buf): tensor
+        for name, module in model.named_modules()
+        if type(module).__name__.endswith("RotaryEmbedding")
+        for buf, tensor in module.named_buffers(recurse=False)
+        if buf.endswith("inv_freq")
+    }
+
+
+def keep_rotary_fp32(model, dtype: torch.dtype, device=None):
+    """``model.to(device=device, dtype=dtype)``, the rotary inverse frequencies kept as they were (fp32), as
+    ``from_pretrained`` in a low precision leaves them. Returns the model."""
+    saved = {key: t.detach().clone() for key, t in _rotary_buffers(model).items()}
+    model = model.to(device=device, dtype=dtype)
+    modules = dict(model.named_modules())
+    for (name, buf), value in saved.items():
+        modules[name]._buffers[buf] = value.to(device=modules[name]._buffers[buf].device)
+    return model
+
+
 def _finish(model, *, seed: int, dtype: torch.dtype, device, expect: dict):
     randomize_norms(model, seed + 1)
-    model = model.to(device=device, dtype=dtype).eval()
+    model = keep_rotary_fp32(model, dtype, device).eval()
     for g in attention_geometry(model):
         got = {"num_qo_heads": g.num_qo_heads, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim}
         want = dict(expect)

@@ -1,7 +1,9 @@
-"""The oracle's error table: every layer case and decode case, per family and dtype, ours next to HF's floor.
+"""The oracle's error table: every prep, layer and decode case, per family and dtype, ours next to HF's floor.
 
-``python -m pagedwindow.hf.summary [--backend reference|cuda|auto] [--device cpu|cuda] [--json PATH]`` prints a
-markdown table (one row per case: the worst layer / request) and optionally writes every row as JSON.
+``python -m pagedwindow.hf.summary [--backend reference|cuda|auto] [--device cpu|cuda] [--fused-prep]
+[--json PATH]`` prints markdown tables (one row per case: the worst layer / tensor / request) and optionally
+writes every row as JSON. ``--fused-prep`` runs the layer and decode oracles with ``fused_prep=True`` (the
+sliding layers' norms and RoPE by ``prepare_paged_qkv``); the prep oracle runs either way.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from ._compat import transformers_version
 from .decode_oracle import default_decode_cases, run_decode_case
 from .layer_oracle import default_layer_cases, run_layer_case
 from .models import tiny_model
+from .prep_oracle import default_prep_cases, run_prep_case
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -29,12 +32,16 @@ def oracle_table(
     device: str = "cpu",
     seed: int = 0,
     window: int = 16,
+    fused_prep: bool = False,
 ) -> dict:
-    """Run every default case; returns ``{"layer": [...], "decode": [...], "layer_rows": [...],
-    "decode_rows": [...], "meta": {...}}`` (summary rows: the worst layer / request of each case)."""
-    out = {
+    """Run every default case; returns ``{"prep": [...], "layer": [...], "decode": [...], "prep_rows": [...],
+    "layer_rows": [...], "decode_rows": [...], "meta": {...}}`` (summary rows: the worst layer / tensor / request
+    of each case)."""
+    out: dict = {
+        "prep": [],
         "layer": [],
         "decode": [],
+        "prep_rows": [],
         "layer_rows": [],
         "decode_rows": [],
         "meta": {
@@ -42,6 +49,7 @@ def oracle_table(
             "torch": torch.__version__,
             "backend": backend,
             "device": device,
+            "fused_prep": fused_prep,
         },
     }
     for family in families:
@@ -50,9 +58,32 @@ def oracle_table(
             # the cuda kernels are bf16: fp32 runs the reference backend on the same device
             be = backend if dtype == torch.bfloat16 else ("reference" if backend == "cuda" else backend)
             model = tiny_model(family, seed, dtype=dtype, device=device, sliding_window=window)
+            for i, case in enumerate(default_prep_cases(window)):
+                t0 = time.perf_counter()
+                # the prep kernel runs fp32 too: the backend as asked
+                prep = run_prep_case(model, case, backend=backend, seed=seed + i)
+                out["prep_rows"].extend(dict(r, family=family) for r in prep.rows())
+                worst_prep = prep.worst()
+                out["prep"].append(
+                    {
+                        "family": family,
+                        "dtype": dname,
+                        "backend": backend,
+                        "case": case.name,
+                        "passed": prep.passed,
+                        "worst_layer": worst_prep.layer,
+                        "worst_tensor": worst_prep.tensor,
+                        "ours_max_abs": worst_prep.ours.max_abs,
+                        "ours_max_rel": worst_prep.ours.max_rel,
+                        "ours_vs_hf_max_abs": worst_prep.ours_vs_hf.max_abs,
+                        "floor_max_abs": worst_prep.floor.max_abs,
+                        "limit": worst_prep.gate.limit,
+                        "seconds": time.perf_counter() - t0,
+                    }
+                )
             for i, case in enumerate(default_layer_cases(window)):
                 t0 = time.perf_counter()
-                res = run_layer_case(model, case, backend=be, seed=seed + i)
+                res = run_layer_case(model, case, backend=be, seed=seed + i, fused_prep=fused_prep)
                 worst = res.worst()
                 out["layer_rows"].extend(dict(r, family=family) for r in res.rows())
                 out["layer"].append(
@@ -77,7 +108,7 @@ def oracle_table(
                 )
             for i, case in enumerate(default_decode_cases(window)):
                 t0 = time.perf_counter()
-                res = run_decode_case(model, case, backend=be, seed=seed + i)
+                res = run_decode_case(model, case, backend=be, seed=seed + i, fused_prep=fused_prep)
                 out["decode_rows"].extend(dict(r, family=family) for r in res.rows())
                 for s in res.summary():
                     out["decode"].append(
@@ -89,9 +120,21 @@ def oracle_table(
 def markdown(table: dict) -> str:
     lines = [
         f"transformers {table['meta']['transformers']}, torch {table['meta']['torch']}, "
-        f"device {table['meta']['device']}",
+        f"device {table['meta']['device']}, fused_prep {table['meta'].get('fused_prep', False)}",
         "",
-        "| family | dtype | backend | layer case | worst layer | ours max_abs (rel) | HF sdpa floor max_abs (rel) "
+        "| family | dtype | backend | prep case | worst layer / tensor | ours vs HF fp32 max_abs (rel) | "
+        "ours vs HF max_abs | HF floor max_abs | gate limit | pass |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in table.get("prep", []):
+        lines.append(
+            f"| {r['family']} | {r['dtype']} | {r['backend']} | {r['case']} | {r['worst_layer']} / {r['worst_tensor']} "
+            f"| {r['ours_max_abs']:.2e} ({r['ours_max_rel']:.1e}) | {r['ours_vs_hf_max_abs']:.2e} | "
+            f"{r['floor_max_abs']:.2e} | {r['limit']:.1e} | {r['passed']} |"
+        )
+    lines += [
+        "",
+        "| family | dtype | backend | layer case | worst layer | ours max_abs (rel) | HF floor max_abs (rel) "
         "| gate limit | ours / eager / sdpa vs fp64 | pass |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -123,14 +166,15 @@ def main(argv=None) -> int:
     parser.add_argument("--backend", default="reference")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fused-prep", action="store_true", help="layer and decode oracles with fused_prep=True")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    table = oracle_table(backend=args.backend, device=args.device, seed=args.seed)
+    table = oracle_table(backend=args.backend, device=args.device, seed=args.seed, fused_prep=args.fused_prep)
     print(markdown(table))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(table, f, indent=1)
-    ok = all(r["passed"] for r in table["layer"]) and all(r["passed"] for r in table["decode"])
+    ok = all(r["passed"] for key in ("prep", "layer", "decode") for r in table[key])
     return 0 if ok else 1
 
 

@@ -6,6 +6,10 @@ plots, :func:`prefill_detail` captures the same prompt once more and keeps what 
 per head and per query row, histograms of every element's error, and the attention weights each layer used
 (:func:`pagedwindow.measure.paged_replay.probe_weights`). A weight on a key beyond the window's edge must be exactly 0;
 that is part of the gate too.
+
+The prep panel: :func:`prep_metrics` reduces a ``pagedwindow.hf.prep_oracle.run_prep_case`` result (the same
+batch's q/k/v projections through ``prepare_paged_qkv``, against HF's own norms and RoPE) to the ``prep`` entry
+of ``metrics.json``; :func:`prefill_metrics` makes it part of the gate when given.
 """
 
 from __future__ import annotations
@@ -111,10 +115,61 @@ def prefill_detail(
     return detail
 
 
-def prefill_metrics(oracle, detail: PrefillDetail) -> dict:
-    """Headline metrics and per-layer rows of notebook 01 from the oracle's result and the detail.
+def prep_metrics(prep) -> dict:
+    """The ``prep`` entry of notebook 01's metrics from a ``PrepResult``: per (sliding layer, tensor) rows, the
+    largest relative errors per tensor (ours vs the fp32 reference, ours vs HF in the model's dtype, HF's
+    floor), the worst gate and a one-line summary. ``passed`` is the prep oracle's verdict."""
+    by_tensor = {t: [e for e in prep.errors if e.tensor == t] for t in ("q", "k", "v")}
 
-    ``passed``: every layer passes the oracle's gate and no backend weight lies beyond a window's edge.
+    def largest(name: str) -> dict:
+        return {t: max((getattr(e, name).max_rel for e in es), default=None) for t, es in by_tensor.items()}
+
+    worst = prep.worst() if prep.errors else None
+    ours, floor = largest("ours"), largest("floor")
+    summary = (
+        "prep (norms + RoPE, paged K/V write): max |ours − ref| / max|ref| "
+        + ", ".join(f"{t} {ours[t]:.3g}" for t in ours if ours[t] is not None)
+        + "; HF's own floor "
+        + ", ".join(f"{t} {floor[t]:.3g}" for t in floor if floor[t] is not None)
+        + (
+            f"; worst layer {worst.layer} {worst.tensor}: {worst.gate.value:.3g} against {worst.gate.limit:.3g} "
+            f"({worst.gate.rule})."
+            if worst is not None
+            else "; no sliding layer compared."
+        )
+    )
+    return {
+        "passed": prep.passed,
+        "failures": prep.failures(),
+        "summary": summary,
+        "dtype": prep.dtype,
+        "backend": prep.backend,
+        "rule": worst.gate.rule if worst is not None else None,
+        "max_rel_err": ours,
+        "max_rel_err_vs_hf": largest("ours_vs_hf"),
+        "floor_max_rel": floor,
+        "worst_layer": worst.layer if worst is not None else None,
+        "worst_tensor": worst.tensor if worst is not None else None,
+        "worst_gate_value": worst.gate.value if worst is not None else None,
+        "worst_gate_limit": worst.gate.limit if worst is not None else None,
+        "params": {str(layer): p for layer, p in prep.params.items()},
+        "layers": prep.rows(),
+    }
+
+
+def _floor_name(oracle) -> str:
+    """What the oracle's floor was measured as (fused layers differ: ``pagedwindow.hf.layer_oracle``)."""
+    if getattr(oracle, "fused_layers", None):
+        return "sdpa vs eager; fused layers: eager vs fp64 of their projections"
+    return "sdpa vs eager"
+
+
+def prefill_metrics(oracle, detail: PrefillDetail, prep=None) -> dict:
+    """Headline metrics and per-layer rows of notebook 01 from the oracle's result and the detail (and the prep
+    oracle's result, when given: the ``prep`` entry, :func:`prep_metrics`).
+
+    ``passed``: every layer passes the oracle's gate, no backend weight lies beyond a window's edge, and (with
+    ``prep``) every sliding layer's q, k and v pass the prep oracle's gate.
     """
     layers = oracle.layers
     failures = [
@@ -144,12 +199,16 @@ def prefill_metrics(oracle, detail: PrefillDetail) -> dict:
     beyond = max((p.weight_beyond_window for p in probes), default=None)
     summary = (
         f"max |ours − HF eager| = {max(e.ours.max_abs for e in layers):.3g} (rel "
-        f"{max(e.ours.max_rel for e in layers):.3g}); HF floor (sdpa vs eager) "
+        f"{max(e.ours.max_rel for e in layers):.3g}); HF floor ({_floor_name(oracle)}) "
         f"{max(e.floor.max_abs for e in layers):.3g}; worst layer {worst.layer}: {worst.gate.value:.3g} "
         f"against {worst.gate.limit:.3g} ({worst.gate.rule}); largest weight beyond the window: "
         f"{'not probed' if beyond is None else f'{beyond:.3g}'} (must be 0)."
     )
-    return {
+    prep_entry = prep_metrics(prep) if prep is not None else None
+    if prep_entry is not None:
+        failures.extend(f"prep: {f}" for f in prep_entry["failures"])
+        summary += " " + prep_entry["summary"][0].upper() + prep_entry["summary"][1:]
+    out = {
         "passed": not failures,
         "failures": failures,
         "gate_summary": summary,
@@ -157,6 +216,7 @@ def prefill_metrics(oracle, detail: PrefillDetail) -> dict:
         "max_rel_err": max(e.ours.max_rel for e in layers),
         "floor_max_abs_err": max(e.floor.max_abs for e in layers),
         "floor_max_rel_err": max(e.floor.max_rel for e in layers),
+        "floor_name": _floor_name(oracle),
         "gate_rule": worst.gate.rule,
         "worst_layer": worst.layer,
         "worst_gate_value": worst.gate.value,
@@ -164,5 +224,9 @@ def prefill_metrics(oracle, detail: PrefillDetail) -> dict:
         "weight_max_err": max((p.max_err for p in probes), default=None),
         "weight_beyond_window": beyond,
         "chunks": list(detail.chunks),
+        "fused_layers": list(getattr(oracle, "fused_layers", [])),
         "layers": rows,
     }
+    if prep_entry is not None:
+        out["prep"] = prep_entry
+    return out

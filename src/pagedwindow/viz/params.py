@@ -197,6 +197,7 @@ def check_window_prefill(
     backend,
     device,
     seed,
+    fused_prep,
 ) -> dict:
     """Notebook 01's parameters, checked; ``prefix_len`` -1 resolved to 3/5 of ``prompt_len``, and below every
     prompt of the batch (each is prefilled as ``prefix_len`` tokens, then the rest)."""
@@ -227,6 +228,7 @@ def check_window_prefill(
         "backend": choice("backend", backend, BACKENDS),
         "device": _device(device),
         "seed": integer("seed", seed, minimum=0),
+        "fused_prep": boolean("fused_prep", fused_prep),
     }
 
 

@@ -1,5 +1,6 @@
 """Notebook 01's plots: weight error against key distance (window edge marked), error across page boundaries,
-per-head heatmaps, and the error histogram against HF's backend floor. Each returns a matplotlib figure."""
+per-head heatmaps, the error histogram against HF's backend floor, and the prep's error per sliding layer
+against HF's own floor. Each returns a matplotlib figure."""
 
 from __future__ import annotations
 
@@ -193,3 +194,65 @@ def tightest_tolerance(oracle, dtype: torch.dtype) -> float:
     from ..hf.tolerance import tolerance
 
     return min(tolerance(e.ours.ref_max, e.floor.max_abs, dtype) for e in oracle.layers)
+
+
+def plot_prep_errors(prep):
+    """The prep oracle (``pagedwindow.hf.prep_oracle.PrepResult``) per sliding layer, one panel per tensor (q, k,
+    v), relative to ``max |ref|`` on a log axis: ours vs the fp32 reference (the gated value), ours vs HF in
+    the model's dtype, HF's own floor (HF in the model's dtype vs the reference; zero for fp32 models), and the
+    gate's limit as a bar. Exact zeros are drawn a decade below the smallest non-zero value (the label says
+    where)."""
+    fig, axes = new_figure(ncols=3, width=3.0, height=3.4, sharey=True)
+    rel = {}
+    for e in prep.errors:
+        scale = e.ours.ref_max if e.ours.ref_max > 0 else 1.0
+        rel[(e.layer, e.tensor)] = (
+            e.ours.max_abs / scale,
+            e.ours_vs_hf.max_abs / scale,
+            e.floor.max_abs / scale,
+            e.gate.limit / scale,
+            e.gate.passed,
+        )
+    zero = zero_floor(*(v for vals in rel.values() for v in vals[:4]))
+    low_precision = prep.dtype not in ("float32", "float64")
+    layers = sorted({e.layer for e in prep.errors})
+    x = list(range(len(layers)))
+    for ax, tensor in zip(axes, ("q", "k", "v")):
+        vals = [rel.get((layer, tensor)) for layer in layers]
+        if not layers or any(v is None for v in vals):
+            ax.set_title(f"{tensor}: not compared", fontsize=9)
+            continue
+
+        def series(i, vals=vals):
+            return [max(v[i], zero) for v in vals]
+
+        ax.scatter(x, series(3), marker="_", s=400, color="#cb181d", label="gate limit", zorder=2)
+        if low_precision:
+            ax.scatter(x, series(2), marker="x", color="#969696", label="HF vs ref (HF's floor)", zorder=3)
+            ax.scatter(
+                x, series(1), marker="o", facecolors="none", edgecolors="C1", label="ours vs HF (same dtype)", zorder=3
+            )
+        ax.scatter(x, series(0), marker="o", color="C0", label="ours vs ref (gated)", zorder=4)
+        for xi, v in zip(x, vals):
+            if not v[4]:
+                ax.annotate(
+                    "FAIL",
+                    (xi, max(v[0], zero)),
+                    fontsize=7,
+                    color="#cb181d",
+                    xytext=(4, 4),
+                    textcoords="offset points",
+                )
+        ax.set_xticks(x, [f"L{layer}" for layer in layers])
+        ax.set_xlim(-0.6, len(layers) - 0.4)
+        ax.set_yscale("log")
+        styles = {p.get("norm_style") for p in prep.params.values()}
+        what = {"q": "norm + RoPE", "k": "norm + RoPE", "v": "as projected" if styles == {"gemma3"} else "norm"}
+        ax.set_title(f"{tensor} ({what[tensor]})", fontsize=9)
+        ax.set_xlabel("sliding layer")
+    ref = "HF's prep in fp32 on the same projections" if low_precision else "HF fp32"
+    axes[0].set_ylabel(f"max |error| / max |ref|  (exact 0 drawn at {zero:.0e})", fontsize=8)
+    axes[0].legend(fontsize=6, loc="best")
+    fig.suptitle(f"prep error per sliding layer ({prep.dtype}, backend {prep.backend}); ref: {ref}", fontsize=9)
+    fig.tight_layout()
+    return fig

@@ -6,6 +6,11 @@
 # wheels installed and xz-packed, 19 MB, so the tree fits beside it in one call) or else from .whl/*.whl;
 # VARIANTS="label:VAR=value,VAR=value:tile ..." times pagedwindow alone for each kernel variant (environment, e.g.
 # PAGEDWINDOW_PREFILL_KERNEL or PAGEDWINDOW_NVCC_FLAGS, and plan tile) after the main bench.
+# PREP_BENCH=1 adds a step after the bench (off by default; independent of SKIP_BENCH): the Gemma prep suite,
+# `bench --prep` (prepare_paged_qkv against HF's torch ops + append and FlashInfer's rmsnorm/rope/append), with
+# PREP_BENCH_ARGS its flags (e.g. "--quick" or "--workloads prep_8192"); its <gpu>-<date>-prep.json/.md/-bandwidth.png
+# land in $OUT. Only the prep: SKIP_MMA_SYNC_SUITE=1 SKIP_MEMCHECK=1 SKIP_BENCH=1 SKIP_HOST_COST=1 PREP_BENCH=1
+# bash benchmarks/device_run.sh tests/test_bench_prep.py (the suite step then runs that file's GPU test only).
 # Results: $OUT/log.txt, the main bench's JSON/MD, <gpu>-<date>-host-cost.json (named like the bench's files, after
 # the GPU present), and every bench file in $OUT/bench.tar.gz.
 set -uo pipefail
@@ -82,6 +87,16 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
   tar -czf "$OUT/bench.tar.gz" -C $BENCH .
 fi
 t4=$(date +%s)
+if [ "${PREP_BENCH:-0}" = 1 ]; then
+  PREP_DIR=/tmp/pw-bench-prep
+  mkdir -p $PREP_DIR
+  step "python3 -m pagedwindow.cli bench --prep --out $PREP_DIR ${PREP_BENCH_ARGS:-}"
+  python3 -m pagedwindow.cli bench --prep --out $PREP_DIR ${PREP_BENCH_ARGS:-} 2>&1 | tee -a "$LOG" \
+    | grep -E "^\||GPU:|HBM copy" | tail -40
+  prep="rc=${PIPESTATUS[0]}"
+  cp $PREP_DIR/*-prep*.json $PREP_DIR/*-prep*.md $PREP_DIR/*-prep*.png "$OUT"/ 2>/dev/null
+fi
+t4p=$(date +%s)
 host="skipped"
 if [ "${SKIP_HOST_COST:-0}" != 1 ]; then
   step "host cost per call and plan build: python3 benchmarks/host_cost.py"
@@ -96,4 +111,5 @@ echo "| build | $(grep -h 'built/loaded' "$LOG" | tail -1) | $((t1 - t0)) |"
 echo "| GPU suite (-m cuda, REQUIRE_GPU=1) | $suite | $((t2 - t1)) |"
 echo "| memcheck + error table | $memcheck | $((t3 - t2)) |"
 echo "| bench | $bench | $((t4 - t3)) |"
-echo "| host cost | $host | $((t5 - t4)) |"
+[ "${PREP_BENCH:-0}" = 1 ] && echo "| prep bench | $prep | $((t4p - t4)) |"
+echo "| host cost | $host | $((t5 - t4p)) |"

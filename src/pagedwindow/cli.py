@@ -61,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--label", default=None, help="suffix of the result file names, e.g. a kernel variant (letters, digits, . _ -)"
     )
+    bench.add_argument(
+        "--prep",
+        action="store_true",
+        help="time only the Gemma prep (q/k/v norms, RoPE, paged K/V write: prepare_paged_qkv against HF torch ops "
+        "and FlashInfer) into <gpu>-<date>-prep[-label].json; --workloads / --systems then name prep workloads "
+        "(prep_8192, prep_512_on_30000, prep_decode_64x1) and systems (pagedwindow, hf_torch_append, flashinfer)",
+    )
 
     text = "print what would run on this machine and why (builds nothing unless --build)"
     doctor_parser = sub.add_parser("doctor", help=text, description=text[0].upper() + text[1:] + ".")
@@ -98,7 +105,17 @@ def bench(args: argparse.Namespace) -> int:
     from .bench import MAKERS, WORKLOADS, run_bench
     from .tiles import SUPPORTED_CTA_TILE_Q
 
-    for what, given, known in (("workload", args.workloads, WORKLOADS), ("system", args.systems, MAKERS)):
+    workloads, systems = WORKLOADS, MAKERS
+    if args.prep:
+        from .bench_prep import PREP_MAKERS, PREP_WORKLOADS
+
+        workloads, systems = PREP_WORKLOADS, PREP_MAKERS
+        given_flags = (("--sweep", args.sweep), ("--cta-tile-q", args.cta_tile_q is not None))
+        refused = [flag for flag, given in given_flags if given]
+        if refused:
+            print(f"pagedwindow bench: {' and '.join(refused)} cannot be used with --prep", file=sys.stderr)
+            return EXIT_USAGE
+    for what, given, known in (("workload", args.workloads, workloads), ("system", args.systems, systems)):
         unknown = [n for n in given or () if n not in known]
         if unknown:
             print(f"pagedwindow bench: unknown {what}(s) {unknown}; known: {', '.join(known)}", file=sys.stderr)
@@ -117,6 +134,12 @@ def bench(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"pagedwindow bench: output directory {out}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
+    if args.prep:
+        from .bench_prep import run_prep_bench
+
+        return run_prep_bench(
+            out=args.out, workloads=args.workloads, systems=args.systems, quick=args.quick, label=args.label
+        )
     return run_bench(
         out=args.out,
         workloads=args.workloads,

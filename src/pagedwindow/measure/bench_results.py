@@ -6,6 +6,10 @@ the system is missing or failed; ``status`` may say why), ``useful_tflops`` and 
 ``null``); newer files add ``e2e_ms`` (back-to-back API calls), ``plan_ms`` / ``update_plan_ms`` (host planning;
 ``null`` where not applicable) and ``plan_ms_host_indptr``, numbers or ``null`` when present. Records without ``ms``
 are auxiliary metrics (e.g. ``{"metric": "allocations_per_10_calls", "value": 0}``) and are listed apart.
+
+The prep suite (``pagedwindow bench --prep``) writes ``<gpu>-<date>-prep[-label].json`` with ``"suite": "prep"``,
+the HBM copy bandwidth of the same run (``hbm_gbs``) in place of a GEMM rate, and its own ratios and bars
+(:func:`prep_ratios`, :func:`prep_bars`); :func:`newest_results` never picks such a file.
 """
 
 from __future__ import annotations
@@ -24,13 +28,24 @@ RESULTS_PATTERN = re.compile(r"^([a-z0-9]+(?:-[a-z0-9]+)*?)-(\d{4}-\d{2}-\d{2})(
 """``<gpu-slug>-<date>[-label].json`` (``h200-2026-12-02.json``); group 2 is the date."""
 
 
+PREP_LABEL = "prep"
+"""The label of the prep suite's files: ``<gpu>-<date>-prep[-label].json``."""
+
+
+def is_prep_results(name: str) -> bool:
+    """Whether a results file name is the prep suite's (``<gpu>-<date>-prep[-label].json``)."""
+    match = RESULTS_PATTERN.match(name)
+    return bool(match) and (match.group(3) == f"-{PREP_LABEL}" or match.group(3).startswith(f"-{PREP_LABEL}-"))
+
+
 def newest_results(results_dir) -> Path | None:
     """The ``<gpu>-<date>*.json`` with the latest date in the directory ``results_dir`` (name order breaks ties),
-    or None (also for ``results_dir`` None or not a directory). A name as a user typed it is resolved first by the
+    or None (also for ``results_dir`` None or not a directory); the prep suite's files (:func:`is_prep_results`)
+    are not attention results and are never picked. A name as a user typed it is resolved first by the
     caller (``pagedwindow.viz.paths.resolve_path``: the working directory, then the repository)."""
     if results_dir is None or not Path(results_dir).is_dir():
         return None
-    files = [p for p in Path(results_dir).iterdir() if RESULTS_PATTERN.match(p.name)]
+    files = [p for p in Path(results_dir).iterdir() if RESULTS_PATTERN.match(p.name) and not is_prep_results(p.name)]
     if not files:
         return None
     return max(files, key=lambda p: (RESULTS_PATTERN.match(p.name).group(2), p.name))
@@ -216,3 +231,94 @@ def gate_summary(results: BenchResults, failures: list[str], *, max_err_limit: f
         bound = "its run's status only" if worst[1] is None else f"its bound {worst[1]:.3g}"
         text += f"; worst max_abs_err {worst[0]:.3g} against {bound}"
     return text + (f"; {len(failures)} failure(s)" if failures else "") + "."
+
+
+# -- the prep suite (``pagedwindow bench --prep``) ------------------------------------------------------------------
+
+PREP_SYSTEMS = ("pagedwindow", "hf_torch_append", "flashinfer")
+"""The fused op, then the unfused sequences it is measured against."""
+PREP_UNFUSED = ("hf_torch_append", "flashinfer")
+
+
+@dataclass(frozen=True)
+class PrepBar:
+    """A bar the fused prep must meet on one workload: ``metric`` (a key of :func:`prep_ratios`' rows) at least
+    ``threshold``."""
+
+    workload: str
+    metric: str
+    threshold: float
+    text: str
+
+
+PREP_BARS = (
+    PrepBar("prep_8192", "hbm_fraction", 0.80, "kernel time at >= 80 % of the HBM copy bandwidth"),
+    PrepBar("prep_8192", "kernel_speedup", 1.3, "kernel time >= 1.3x faster than the fastest unfused sequence"),
+    PrepBar("prep_decode_64x1", "e2e_speedup", 2.0, "end to end >= 2x faster than the fastest unfused sequence"),
+)
+
+
+def gbs(nbytes: int, ms: float | None) -> float | None:
+    """Decimal GB/s of ``nbytes`` moved in ``ms`` milliseconds (None when ``ms`` is None or not > 0)."""
+    return nbytes / (ms * 1e-3) / 1e9 if ms is not None and ms > 0 else None
+
+
+def copy_gbs(nbytes: int, ms: float) -> float:
+    """The bandwidth of a device-to-device copy of ``nbytes`` in ``ms``: bytes read plus bytes written."""
+    return gbs(2 * nbytes, ms)
+
+
+def prep_ratios(records: list, hbm_gbs: float | None) -> dict:
+    """Per workload with a pagedwindow record: the fastest unfused sequence (the min over :data:`PREP_UNFUSED`'s
+    times, kernel and e2e separately, and which system it was), pagedwindow's speed-ups over it (unfused time /
+    ours: above 1, the fused op is faster), its achieved GB/s and that as a fraction of ``hbm_gbs``. A value is
+    None where a time it needs is missing."""
+
+    def fastest(workload, key):
+        timed = [
+            (r[key], r["system"])
+            for r in records
+            if r["workload"] == workload and r["system"] in PREP_UNFUSED and r.get(key) is not None
+        ]
+        return min(timed, default=(None, None))
+
+    out = {}
+    for ours in records:
+        if ours["system"] != "pagedwindow":
+            continue
+        w = ours["workload"]
+        best_ms, best_ms_system = fastest(w, "ms")
+        best_e2e, best_e2e_system = fastest(w, "e2e_ms")
+        ms, e2e, achieved = ours.get("ms"), ours.get("e2e_ms"), ours.get("gbs")
+        out[w] = {
+            "best_unfused_ms": best_ms,
+            "best_unfused_ms_system": best_ms_system,
+            "best_unfused_e2e_ms": best_e2e,
+            "best_unfused_e2e_system": best_e2e_system,
+            "kernel_speedup": best_ms / ms if best_ms is not None and ms else None,
+            "e2e_speedup": best_e2e / e2e if best_e2e is not None and e2e else None,
+            "gbs": achieved,
+            "hbm_fraction": achieved / hbm_gbs if achieved is not None and hbm_gbs else None,
+        }
+    return out
+
+
+def prep_bars(ratios: dict, bars=PREP_BARS) -> list[dict]:
+    """Each bar whose workload was run: ``value`` (None: not measured), ``threshold`` and ``passed`` (True,
+    False, or None when not measured)."""
+    verdicts = []
+    for bar in bars:
+        if bar.workload not in ratios:
+            continue
+        value = ratios[bar.workload].get(bar.metric)
+        verdicts.append(
+            {
+                "workload": bar.workload,
+                "metric": bar.metric,
+                "bar": bar.text,
+                "threshold": bar.threshold,
+                "value": value,
+                "passed": None if value is None else value >= bar.threshold,
+            }
+        )
+    return verdicts

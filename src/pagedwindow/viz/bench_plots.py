@@ -1,12 +1,12 @@
 """Benchmark plots: useful TF/s per workload and system (the GEMM rate marked), pagedwindow's speed-up over
-each peer (log axis), and each system's output error against the bound the gate applied. Missing systems are drawn
-as labelled gaps, never silently dropped."""
+each peer (log axis), each system's output error against the bound the gate applied, and the prep suite's achieved
+GB/s against the HBM copy bandwidth. Missing systems are drawn as labelled gaps, never silently dropped."""
 
 from __future__ import annotations
 
 import math
 
-from ..measure.bench_results import BenchResults, applied_bound
+from ..measure.bench_results import PREP_SYSTEMS, BenchResults, applied_bound
 from .figures import new_figure, zero_floor
 
 
@@ -121,5 +121,41 @@ def plot_errors(results: BenchResults, *, max_err_limit: float):
     ax.set_title("output error checked before timing, and the bound each workload was judged by", fontsize=9)
     if ax.lines or ax.collections:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def plot_prep_bandwidth(result: dict):
+    """The prep suite (``pagedwindow bench --prep``): achieved GB/s (minimum traffic over kernel time) of every
+    system on every workload as grouped bars, the HBM copy bandwidth of the same run as a line, each bar labelled
+    with its kernel ms; ``missing`` where a system was not timed."""
+    records = result["records"]
+    workloads = list(dict.fromkeys(r["workload"] for r in records))
+    seen = list(dict.fromkeys(r["system"] for r in records))
+    systems = [s for s in PREP_SYSTEMS if s in seen] + [s for s in seen if s not in PREP_SYSTEMS]
+    hbm = result.get("hbm_gbs")
+    fig, (ax,) = new_figure(width=max(6.0, 1.8 * len(workloads) + 2), height=4.0)
+    width = 0.8 / max(1, len(systems))
+    top = max([r.get("gbs") or 0 for r in records] + [hbm or 0, 1.0])
+    labelled = set()
+    for j, s in enumerate(systems):
+        for i, w in enumerate(workloads):
+            r = next((r for r in records if r["workload"] == w and r["system"] == s), None)
+            x = i - 0.4 + width * (j + 0.5)
+            value = r.get("gbs") if r else None
+            if value is None:
+                ax.text(x, top * 0.02, "missing", rotation=90, ha="center", va="bottom", fontsize=6, color="grey")
+                continue
+            ax.bar(x, value, width, color=f"C{j}", label=None if s in labelled else s)
+            ax.text(x, value, f"{r['ms'] * 1e3:.0f} µs", ha="center", va="bottom", fontsize=6)
+            labelled.add(s)
+    if hbm:
+        ax.axhline(hbm, color="black", lw=0.8, ls="--", label=f"HBM copy {hbm:.0f} GB/s")
+    if labelled or hbm:
+        ax.legend(fontsize=7)
+    ax.set_xticks(range(len(workloads)))
+    ax.set_xticklabels(workloads, fontsize=8, rotation=15)
+    ax.set_ylabel("GB/s (q, k, v read + q_out, K, V written) / kernel time")
+    ax.set_title(f"Gemma prep: norms, RoPE, paged K/V write — {result['gpu']}, {result.get('date', '')}", fontsize=9)
     fig.tight_layout()
     return fig

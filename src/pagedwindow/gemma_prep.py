@@ -49,7 +49,8 @@ def _finite_positive(what: str, name: str, value) -> float:
     except OverflowError:
         number = math.inf
     if not math.isfinite(number) or number <= 0.0:
-        raise PagedWindowError(f"{what}: {name} = {value!r} must be finite and > 0")
+        shown = number if math.isfinite(number) or isinstance(value, float) else value
+        raise PagedWindowError(f"{what}: {name} = {shown!r} must be finite and > 0")
     return number
 
 
@@ -68,22 +69,31 @@ def check_positive_real(what: str, name: str, value) -> float:
     return _finite_positive(what, name, value)
 
 
-@lru_cache(maxsize=64)
 def check_rope(what: str, head_dim: int, rope_theta: float, position_factor: float, max_position: int) -> None:
-    """RoPE's inverse frequencies ``theta^(-2i/D) / position_factor`` are finite, positive fp32 values and the
-    largest angle ``max_position * max(inv_freq)`` is finite in fp32 (else cos/sin are NaN). Plain Python (the
-    extremes are the first and the last frequency), so ``torch.compile`` traces it; cached per arguments."""
-    ends = (1.0 / position_factor, rope_theta ** (-(head_dim - 2) / head_dim) / position_factor)
-    low, high = min(ends), max(ends)
-    if not (_FLT_MIN * 2 <= low and high <= _FLT_MAX / 2):  # a factor of 2 covers the fp32 rounding of the values
+    """RoPE's inverse frequencies are finite, positive fp32 values and the largest angle
+    ``max_position * max(inv_freq)`` is finite in fp32 (else cos/sin are NaN). Eager calls check the fp32 values
+    themselves (cached per arguments); under ``torch.compile`` the same bounds are checked in plain Python on the
+    extreme frequencies (the first and the last), which tracing allows."""
+    if torch.compiler.is_compiling():
+        ends = (1.0 / position_factor, rope_theta ** (-(head_dim - 2) / head_dim) / position_factor)
+        low, high = min(ends), max(ends)
+    else:
+        low, high = _inv_freq_range(head_dim, rope_theta, position_factor)
+    if not (_FLT_MIN <= low and high <= _FLT_MAX):
         raise PagedWindowError(
-            f"{what}: rope_theta = {rope_theta!r} with position factor {position_factor!r} gives inverse frequencies "
-            f"outside fp32's normal range ({low!r} .. {high!r})"
+            f"{what}: rope_theta = {rope_theta!r} with position factor {position_factor!r} gives inverse "
+            f"frequencies outside fp32's normal range ({low!r} .. {high!r})"
         )
-    if max_position > 0 and high * max_position > _FLT_MAX / 2:
+    if max_position > 0 and high * max_position > _FLT_MAX:
         raise PagedWindowError(
-            f"RoPE angle at position {max_position} overflows fp32 (inverse frequency up to {high!r})"
+            f"{what}: RoPE angle at position {max_position} overflows fp32 (inverse frequency up to {high!r})"
         )
+
+
+@lru_cache(maxsize=64)
+def _inv_freq_range(head_dim: int, rope_theta: float, position_factor: float) -> tuple[float, float]:
+    inv_freq = rope_inv_freq(head_dim, rope_theta, position_factor)
+    return min(inv_freq), max(inv_freq)
 
 
 @lru_cache(maxsize=64)

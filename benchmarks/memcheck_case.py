@@ -1,4 +1,5 @@
-"""A representative launch of every kernel (prefill, pool write, fused prep), small enough for compute-sanitizer (memcheck) to finish quickly.
+"""A representative launch of every kernel (prefill, pool write, fused prep), small enough for compute-sanitizer
+(memcheck) to finish quickly.
 
 Ragged batch, page_size 5 (tiles straddle pages), GQA 2, a prefix (start > 0), a seq-0 request, both tiles.
 Prints the max error against the reference; exit code 1 when it is off.

@@ -612,7 +612,10 @@ def test_inverse_frequencies_outside_fp32(case, theta, factor, fragment):
         out_q,
         case.b.pool,
     )
-    assert message.startswith(f"prepare_paged_qkv: rope_theta = {theta!r} with position factor {factor!r}") and fragment in message
+    assert (
+        message.startswith(f"prepare_paged_qkv: rope_theta = {theta!r} with position factor {factor!r}")
+        and fragment in message
+    )
 
 
 def test_a_small_theta_overflows_the_highest_inverse_frequency():

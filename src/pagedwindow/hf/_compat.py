@@ -11,6 +11,7 @@ Handled here:
   (Gemma 3's old ``rope_local_base_freq`` is folded into it by the config), read by :func:`sliding_prep`, which
   then *verifies* it against the built rotary module's ``sliding_attention_inv_freq`` bit for bit (5.17
   computes the angles as a matmul, later releases as a product: one fp32 product either way);
+- RMSNorm's epsilon: ``eps`` up to 5.24, ``variance_epsilon`` from 5.25 (:func:`norm_eps`);
 - the cache-update call site moved (``past_key_values.update(...)`` in the attention module, later
   ``cache.update(..., kwargs=...)``): it happens before the attention function in every version, so we never
   depend on it — the attention function always takes the new K/V as the last ``q_len`` rows it is handed.
@@ -56,6 +57,15 @@ def require_transformers() -> None:
         raise PagedWindowError("pagedwindow.hf needs transformers >= 5.5: pip install 'pagedwindow[hf]'") from exc
     if version[:2] < MIN_TRANSFORMERS:
         raise PagedWindowError(f"pagedwindow.hf needs transformers >= 5.5, found {'.'.join(map(str, version))}")
+
+
+def norm_eps(norm) -> float:
+    """An RMSNorm module's epsilon: ``eps`` up to transformers 5.24, ``variance_epsilon`` from 5.25."""
+    for name in ("eps", "variance_epsilon"):
+        value = getattr(norm, name, None)
+        if value is not None:
+            return float(value)
+    raise PagedWindowError(f"{type(norm).__name__} has neither eps nor variance_epsilon")
 
 
 _registered_names: set[str] = set()
@@ -314,7 +324,7 @@ def _layer_prep(module, style: str, theta: float, factor: float) -> LayerPrep:
         )
     if style == "gemma3" and v_norm is not None:
         raise PagedWindowError(f"fused prep: layer {layer} has a v_norm; Gemma 3's prep leaves v as projected")
-    eps = {float(n.eps) for n in norms.values() if n is not None}
+    eps = {norm_eps(n) for n in norms.values() if n is not None}
     if len(eps) != 1:
         raise PagedWindowError(f"fused prep: layer {layer}'s q/k/v norms use different eps {sorted(eps)}")
     return LayerPrep(

@@ -386,7 +386,10 @@ def launch_prepare(
     block.weight_fp32 = int(q_weight.dtype == torch.float32)
     block.norm_style = PREPARE_NORM_STYLE_CODES[norm_style]
     block.eps = eps
-    block.inv_freq = _inv_freq_field(block.head_dim, rope_theta, rope_position_factor)
+    rope = (rope_theta, rope_position_factor)
+    if getattr(block, "rope", None) != rope:  # the 1 KiB field is copied only when the RoPE arguments change
+        block.inv_freq = _inv_freq_field(block.head_dim, rope_theta, rope_position_factor)
+        block.rope = rope
     lib = _by_device.get(q.device.index) or library(q.device)
     code = _launch_on(q.device, lib.pw_prepare_qkv, block)
     if code != 0:

@@ -66,9 +66,6 @@ __device__ __forceinline__ uint32_t swz(int row, int chunk) {
   return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
 __device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
@@ -243,7 +240,7 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill
     const uint32_t kbuf = sK + ((kStages == 2) ? (j & 1) * kKvBytes : 0u);
     const uint32_t vbuf = sV + ((kStages == 2) ? (j & 1) * kKvBytes : 0u);
 
-    cp_async_wait_all();
+    cp_async_wait<0>();
     __syncthreads();  // K(j) (and Q) visible; every warp is done with the buffers about to be refilled
     if constexpr (kStages == 1) {
       rows.issue(p, sV, p.v_offset, warp, lane);  // V(j): same rows as K(j)
@@ -304,7 +301,7 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill
     }
 
     if constexpr (kStages == 1) {
-      cp_async_wait_all();
+      cp_async_wait<0>();
       __syncthreads();  // V(j) visible; every warp is done reading K(j)
       if (j + 1 < n_tiles) {
         rows.compute(p, kb + kKvTile, kv_lo, kv_hi, page_base, kv_head, warp, lane);
@@ -327,7 +324,7 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill
   }
 
   // ---- epilogue: normalise, stage the warp's 16 rows as bf16 in its own Q rows, copy out 16 B per lane
-  cp_async_wait_all();
+  cp_async_wait<0>();
   __syncthreads();  // no copy may still be landing in shared memory (covers n_tiles == 0)
 
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);

@@ -1,4 +1,4 @@
-// pagedwindow: PTX helpers both prefill kernels use (prefill_hd256.cu, prefill_hd256_sm90.cu).
+// pagedwindow: PTX helpers the kernels share (prefill_hd256.cu, prefill_hd256_sm90.cu, prepare_qkv.cu).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -13,6 +13,13 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // 16-byte async copy global -> shared; src_bytes 0 writes 16 zero bytes and reads nothing.
 __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// Close the copies issued since the last commit into a group; wait until at most kPending groups are in flight.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) == +0

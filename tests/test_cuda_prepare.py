@@ -91,6 +91,21 @@ def test_kernel_rounds_the_float64_truth_once(dtype, head_dim, norm_style):
     assert ((got.double() - ref.double()).abs() <= ulp * ref.double().abs() + 1e-5 * ref.abs().max()).all()
 
 
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 256), (torch.float32, 512), (torch.float16, 64)])
+@pytest.mark.parametrize("norm_style", ["gemma4", "gemma3"])
+def test_many_units_per_cta_match_the_truth(dtype, head_dim, norm_style):
+    """The persistent grid with many units per CTA (3603 tokens; at fp32, head_dim 512 a unit holds 8 of a
+    token's 32 rows, so four units per token), ragged and empty requests: every row is the truth rounded once."""
+    b = _batch(11, dtype=dtype, head_dim=head_dim, seq_lens=(1500, 3, 0, 2100), starts=(0, 7, 100, 9000), hq=16, hkv=8)
+    wq, wk = _weights(11, head_dim, dtype)
+    want_q, want_pool = _truth(b, wq, wk, norm_style=norm_style)
+    pool = b.pool.clone()
+    got = _prep(b, b.q, b.k, b.v, pool, wq, wk, backend="cuda", norm_style=norm_style)
+    torch.cuda.synchronize()
+    assert _within_rounding(got, want_q, dtype) <= 1.0
+    assert _within_rounding(pool, want_pool, dtype) <= 1.0
+
+
 def test_far_positions_rotate_like_the_truth():
     """Angles up to 2^20 * inv_freq[0] rad: the kernel's reduction of the fp32 angle must stay exact."""
     b = _batch(5, dtype=torch.float32, head_dim=64, seq_lens=(9, 3), starts=(1 << 20, 131_000), hq=2, hkv=1, ps=256)

@@ -26,7 +26,7 @@ import torch
 
 import pagedwindow as pw
 from pagedwindow import reference
-from pagedwindow.gemma_prep import rope_inv_freq
+from pagedwindow.gemma_prep import check_positive_fp32, check_prep_scalars, rope_inv_freq
 from pagedwindow.testing import PagedBatch, random_batch
 
 EPS, THETA = 1e-6, 10000.0
@@ -1052,3 +1052,24 @@ def test_mutating_the_plans_arrays(case):
         isinstance(plan.pages, tuple) and isinstance(plan.pages[0], tuple) and isinstance(plan.start_positions, tuple)
     )
     assert torch.equal(run_prep(case), want)
+
+
+def test_remembered_scalars_never_hide_a_bad_one():
+    """The last accepted (eps, theta, factor) floats are remembered; a different or non-float value is checked in
+    full, so a bad one after a good one is still refused."""
+    good = check_prep_scalars("prep", 1e-6, 10000.0, 1.0)
+    assert good == (check_positive_fp32("prep", "eps", 1e-6), 10000.0, 1.0)
+    assert check_prep_scalars("prep", 1e-6, 10000.0, 1.0) == good
+    bad = [
+        ((math.nan, 10000.0, 1.0), "eps"),
+        ((1e-6, math.inf, 1.0), "rope_theta"),
+        ((1e-6, 10000.0, -1.0), "rope_position_factor"),
+        ((1e-50, 10000.0, 1.0), "fp32"),
+        ((True, 10000.0, 1.0), "real number"),
+        ((1e-6, "10000", 1.0), "real number"),
+    ]
+    for args, text in bad:
+        with pytest.raises(pw.PagedWindowError, match=text):
+            check_prep_scalars("prep", *args)
+        assert check_prep_scalars("prep", 1e-6, 10000.0, 1.0) == good  # and the good call still passes
+    assert check_prep_scalars("prep", 1, 10000, 2) == (1.0, 10000.0, 2.0)  # ints: checked, converted

@@ -29,8 +29,7 @@ from .errors import PagedWindowError
 from .gemma_prep import (
     MAX_HEAD_DIM,
     check_norm_style,
-    check_positive_fp32,
-    check_positive_real,
+    check_prep_scalars,
     check_rope,
     rope_inv_freq,
 )
@@ -153,6 +152,18 @@ def _check_rows(
     what: str, name: str, t, *, rows: int, tail: tuple[int, ...], pool: torch.Tensor, dtype: torch.dtype | None = None
 ) -> None:
     """``t`` is a contiguous tensor ``[>= rows, *tail]`` on the pool's device with the pool's dtype."""
+    want_dtype = pool.dtype if dtype is None else dtype
+    if type(t) is torch.Tensor:  # the every-call case, in one expression; any failure gets its message below
+        shape = t.shape
+        if (
+            len(shape) == 1 + len(tail)
+            and shape[1:] == tail
+            and shape[0] >= rows
+            and t.dtype == want_dtype
+            and t.is_contiguous()
+            and t.device == pool.device
+        ):
+            return
     if not isinstance(t, torch.Tensor):
         raise PagedWindowError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
     shape = t.shape
@@ -160,7 +171,6 @@ def _check_rows(
         raise PagedWindowError(f"{what}: {name} shape {tuple(shape)} must be [rows, {', '.join(map(str, tail))}]")
     if shape[0] < rows:
         raise PagedWindowError(f"{what}: {name} has {shape[0]} rows; the plan needs {rows} (total_tokens)")
-    want_dtype = pool.dtype if dtype is None else dtype
     if t.dtype != want_dtype:
         raise PagedWindowError(f"{what}: {name} dtype {t.dtype} must be {want_dtype}")
     if t.device != pool.device:
@@ -182,21 +192,17 @@ def _check_writable(what: str, name: str, t: torch.Tensor) -> None:
         )
 
 
-def _byte_range(t: torch.Tensor) -> tuple[int, int]:
-    start = t.data_ptr()
-    return start, start + t.numel() * t.element_size()
-
-
 def _check_disjoint(what: str, written: str, w: torch.Tensor, *others: tuple[str, torch.Tensor | None]) -> None:
     """The tensor written to must not share a byte with any input (it would be read while being written).
     Every tensor here was checked to be on one device."""
     if torch.compiler.is_compiling():
         return  # fake tensors have no addresses; the custom op's mutation annotation covers aliasing under compile
-    w0, w1 = _byte_range(w)
+    w0 = w.data_ptr()
+    w1 = w0 + w.nbytes
     for name, t in others:
         if t is not None:
-            t0, t1 = _byte_range(t)
-            if w0 < t1 and t0 < w1:
+            t0 = t.data_ptr()
+            if w0 < t0 + t.nbytes and t0 < w1:
                 raise PagedWindowError(f"{what}: {written} overlaps {name} in memory")
 
 
@@ -334,9 +340,7 @@ def prepare_paged_qkv(
     """
     what = "prepare_paged_qkv"
     norm_style = check_norm_style(what, norm_style)
-    eps = check_positive_fp32(what, "eps", eps)
-    rope_theta = check_positive_real(what, "rope_theta", rope_theta)
-    rope_position_factor = check_positive_real(what, "rope_position_factor", rope_position_factor)
+    eps, rope_theta, rope_position_factor = check_prep_scalars(what, eps, rope_theta, rope_position_factor)
     state, geometry = _plan_on_pool(what, plan, layout, pool, layer)
     rows, hq, hkv, d = state.total_tokens, state.num_qo_heads, state.num_kv_heads, state.head_dim
     if d % 2 or d > MAX_HEAD_DIM:

@@ -10,20 +10,13 @@ from pagedwindow.plan import PlanCapacity, _DeviceMirror, _MirrorPool
 
 
 class StandInMirror:
+    """What the pool reads of a mirror: its storage's size (``entries``), device ``index`` and ``stream``."""
+
     def __init__(self, entries, device_index=0, stream=7):
-        self.stream, self.fitted = stream, None
-        self.storage = _Storage(entries, device_index)
+        self.entries, self.index, self.stream, self.fitted = entries, device_index, stream, None
 
     def fit(self, capacity):
         self.fitted = capacity
-
-
-class _Storage:
-    def __init__(self, entries, device_index):
-        self.entries, self.device = entries, types.SimpleNamespace(index=device_index)
-
-    def __len__(self):
-        return self.entries
 
 
 @pytest.fixture

@@ -37,6 +37,8 @@ allocates nothing.
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import functools
 import weakref
 from collections.abc import Mapping, Sequence
@@ -104,7 +106,8 @@ class PlanCapacity:
 
     @property
     def buffer_entries(self) -> int:
-        return sum(self.segment_sizes())
+        """``sum(segment_sizes())``."""
+        return 5 + 3 * self.max_batch + 2 * self.max_tiles + self.max_total_pages
 
     @staticmethod
     def checked(what: str, max_total_tokens, max_total_pages, max_batch, max_tiles) -> PlanCapacity:
@@ -115,12 +118,27 @@ class PlanCapacity:
             checked_i32(f"{what}max_batch", max_batch, minimum=1),
             checked_i32(f"{what}max_tiles", max_tiles, minimum=1),
         )
-        if cap.buffer_entries > PLAN_BUFFER_MAX_ENTRIES:
+        return cap._bounded(what)
+
+    def _bounded(self, what: str) -> PlanCapacity:
+        """``self``, once its buffer is known to fit ``PLAN_BUFFER_MAX_ENTRIES``."""
+        entries = self.buffer_entries
+        if entries > PLAN_BUFFER_MAX_ENTRIES:
             raise PagedWindowError(
-                f"{what}plan capacity {cap} needs a buffer of {cap.buffer_entries} int32 entries "
-                f"({cap.buffer_entries * 4 / 2**20:.0f} MiB), past the limit {PLAN_BUFFER_MAX_ENTRIES} (1 GiB)"
+                f"{what}plan capacity {self} needs a buffer of {entries} int32 entries "
+                f"({entries * 4 / 2**20:.0f} MiB), past the limit {PLAN_BUFFER_MAX_ENTRIES} (1 GiB)"
             )
-        return cap
+        return self
+
+
+def _exact_capacity(total_tokens: int, total_pages: int, batch: int, num_tiles: int) -> PlanCapacity:
+    """The capacity of a plan sized exactly for a validated state's counts: ``PlanCapacity.checked("",
+    max(total_tokens, 1), total_pages, batch, max(num_tiles, 1))`` (the same result, the same errors) without
+    re-checking counts the state already narrowed to int32 (plain ints); only the buffer bound is checked."""
+    tokens, tiles = max(total_tokens, 1), max(num_tiles, 1)
+    if not (tokens <= INT32_MAX and tiles <= INT32_MAX and 0 < total_pages <= INT32_MAX and 0 < batch <= INT32_MAX):
+        return PlanCapacity.checked("", tokens, total_pages, batch, tiles)  # not a validated state's counts
+    return PlanCapacity(tokens, total_pages, batch, tiles)._bounded("")
 
 
 @functools.lru_cache(maxsize=64)
@@ -332,7 +350,9 @@ class _Heads:
     @staticmethod
     def checked(num_qo_heads, num_kv_heads, head_dim, page_size) -> _Heads:
         key = (num_qo_heads, num_kv_heads, head_dim, page_size)
-        plain = all(type(x) is int for x in key)  # bools compare equal to ints and other types may not hash
+        plain = (  # bools compare equal to ints and other types may not hash
+            type(num_qo_heads) is int and type(num_kv_heads) is int and type(head_dim) is int and type(page_size) is int
+        )
         heads = _checked_heads.get(key) if plain else None
         if heads is not None:
             return heads
@@ -362,14 +382,23 @@ def _request_page_name(flat: int, kv_indptr: np.ndarray) -> str:
 
 
 def _packed_offsets(batch: int, num_tiles: int) -> tuple[int, ...]:
-    """First entry of each buffer segment when every segment is exactly full (an exact-size plan's buffer)."""
-    return _segment_offsets(PlanCapacity(0, 0, batch, num_tiles))
+    """First entry of each buffer segment when every segment is exactly full (an exact-size plan's buffer):
+    ``PlanCapacity(0, 0, batch, num_tiles).segment_offsets()``, by arithmetic."""
+    b, t = batch, num_tiles
+    return (0, 3, 4 + b, 4 + 2 * b, 5 + 3 * b, 5 + 3 * b + t, 5 + 3 * b + 2 * t)
+
+
+def _packed_sizes(state: _PlanState) -> tuple[int, ...]:
+    """Entries of each segment of ``state.packed``: ``PlanCapacity(0, total_pages, batch, num_tiles)
+    .segment_sizes()``, by arithmetic."""
+    b, t = state.batch_size, state.num_tiles
+    return (3, b + 1, b, b + 1, t, t, state.total_pages)
 
 
 def _scatter_live(state: _PlanState, cap: PlanCapacity, out: np.ndarray) -> None:
     """Write each segment of ``state.packed`` to its offset in a capacity-sized buffer ``out`` [entries]."""
-    live = PlanCapacity(0, state.total_pages, state.batch_size, state.num_tiles)
-    for src, dst, n in zip(live.segment_offsets(), cap.segment_offsets(), live.segment_sizes()):
+    sizes = _packed_sizes(state)
+    for src, dst, n in zip(_packed_offsets(state.batch_size, state.num_tiles), cap.segment_offsets(), sizes):
         out[dst : dst + n] = state.packed[src : src + n]
 
 
@@ -393,7 +422,8 @@ def _state_from_csr(
     batch = len(last_page_len)
     if batch == 0:
         raise PagedWindowError("a plan needs at least one request; last_page_len is empty")
-    checked_i32("batch_size", batch)
+    if batch > INT32_MAX:
+        checked_i32("batch_size", batch)
     lib = _host_pass_library(device)
     if lib is not None:
         compiled = _compiled_pass(lib, (qo_indptr, kv_indptr, kv_indices, last_page_len), given, heads, tile, device)
@@ -442,7 +472,9 @@ def _state_from_csr(
     _check_shared_pages(pages, high, indptr[1], start, kv_len, page_size, page_name)
     reason = "explicit"
     if tile is None:
-        tile, reason = tile_for_batch(seq, heads.group, heads.num_kv_heads, device, total_tokens=total_tokens)
+        tile, reason = tile_for_batch(
+            seq, heads.group, heads.num_kv_heads, _policy_device(device), total_tokens=total_tokens
+        )
     request_indices, qo_tile_indices = _tiles(seq, heads.group, tile, total_tokens)
     num_tiles = len(request_indices)
     # One int32 block in the buffer's segment order, exactly full: the state's arrays are views of it, and it is
@@ -516,16 +548,27 @@ _NATIVE_DTYPES = {np.dtype(np.int32): 0, np.dtype(np.int64): 1}
 
 def _host_pass_library(device):
     """The compiled host pass's library for a plan on ``device`` (``pagedwindow.cuda.host_pass.library``)."""
+    return _host_pass().library(_as_device(device))
+
+
+@functools.cache
+def _host_pass():
+    """``pagedwindow.cuda.host_pass``, imported on first use (importing it at module level would be a cycle)."""
     from .cuda import host_pass
 
-    return host_pass.library(None if device is None else torch.device(device))
+    return host_pass
 
 
 def _address(array: np.ndarray, given) -> int:
     """``array``'s data address: from the CPU tensor it views when there is one (cheap), else numpy's."""
-    if isinstance(given, torch.Tensor) and given.device.type == "cpu":
+    if isinstance(given, torch.Tensor) and given.is_cpu:
         return given.data_ptr()  # int_array returned given.numpy(): the same memory
     return array.ctypes.data
+
+
+def _writable_address(array: np.ndarray) -> int:
+    """The data address of a writable, C-contiguous array (a third of ``array.ctypes.data``'s cost)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(array.data))
 
 
 def _compiled_pass(lib, arrays, given, heads: _Heads, tile: int | None, device) -> tuple[_PlanState, str] | None:
@@ -534,7 +577,12 @@ def _compiled_pass(lib, arrays, given, heads: _Heads, tile: int | None, device) 
     refuses anyway) or any status but OK (the numpy pass then names the error, or rules on shared pages)."""
     qo_indptr, kv_indptr, kv_indices, last_page_len = arrays
     flags = [_NATIVE_DTYPES.get(a.dtype) for a in arrays]
-    if None in flags or not all(a.flags.c_contiguous for a in arrays):
+    if None in flags or not (
+        qo_indptr.flags.c_contiguous
+        and kv_indptr.flags.c_contiguous
+        and kv_indices.flags.c_contiguous
+        and last_page_len.flags.c_contiguous
+    ):
         return None
     batch = len(last_page_len)
     if len(qo_indptr) != batch + 1 or len(kv_indptr) != batch + 1:
@@ -545,13 +593,13 @@ def _compiled_pass(lib, arrays, given, heads: _Heads, tile: int | None, device) 
         return None
     reason = "explicit"
     if tile is None:
-        seq = np.diff(qo_indptr)  # [batch] (checked by the pass below; a bad one only costs the numpy pass)
+        seq = qo_indptr[1:] - qo_indptr[:-1]  # [batch] (checked by the pass below; a bad one costs the numpy pass)
         if seq.min() < 0:
             return None
-        tile, reason = tile_for_batch(seq, group, heads.num_kv_heads, device, total_tokens=total_tokens)
+        tile, reason = tile_for_batch(seq, group, heads.num_kv_heads, _policy_device(device), total_tokens=total_tokens)
     bound = 3 + 3 * batch + 2 + 2 * (total_tokens * group // tile + batch + 1) + total_pages  # num_tiles <= ...
     out = np.empty(5 + batch + bound, dtype=np.int32)  # [5 + batch + bound]: scalars, start positions, block
-    address = out.ctypes.data
+    address = _writable_address(out)
     given = given or (None,) * 4
     status = lib.pw_plan_pack(
         _address(qo_indptr, given[0]),
@@ -673,8 +721,13 @@ class _DeviceMirror:
         "events",
         "turn",
         "lib",
+        "entries",
+        "index",
+        "fitted",
         "offsets",
+        "offsets_address",
         "event_handles",
+        "events_address",
         "__weakref__",
     )
 
@@ -692,7 +745,9 @@ class _DeviceMirror:
         self.storage = torch.empty(
             self.size_class(capacity.buffer_entries), dtype=torch.int32, device=device
         )  # [size class]
-        self.stream = _current_raw_stream(self.storage.device.index)  # the stream the storage was made on
+        self.entries = len(self.storage)  # the size class, read by the pool
+        self.index: int = self.storage.device.index
+        self.stream = _current_raw_stream(self.index)  # the stream the storage was made on
         self.staging: list[torch.Tensor | None] = [None] * self.STAGING_BUFFERS  # pinned, made on first use
         self.turn = 0
         # The upload path, fixed for the mirror's life: the compiled upload (``pw_plan_upload``, with CUDA events
@@ -700,10 +755,12 @@ class _DeviceMirror:
         self.lib = _loaded_kernels()
         if self.lib is not None:
             self.event_handles = np.zeros(self.STAGING_BUFFERS, dtype=np.uint64)  # cudaEvent_t, 0: none yet
+            self.events_address = self.event_handles.ctypes.data
             weakref.finalize(self, _destroy_events, self.lib, self.event_handles).atexit = False  # exit frees all
         else:
             self.staged: list[np.ndarray | None] = [None] * self.STAGING_BUFFERS  # numpy views of the staging
             self.events: list[torch.cuda.Event | None] = [None] * self.STAGING_BUFFERS
+        self.fitted: PlanCapacity | None = None
         self.fit(capacity)
 
     @classmethod
@@ -715,10 +772,15 @@ class _DeviceMirror:
         return max(cls.MIN_ENTRIES, 1 << (entries - 1).bit_length())
 
     def fit(self, capacity: PlanCapacity) -> None:
-        """Lay ``capacity``'s segments over the storage (a new plan taking a pooled mirror)."""
+        """Lay ``capacity``'s segments over the storage (a new plan taking a pooled mirror); nothing to do when the
+        mirror already has that layout (the buffer is the same view of the storage)."""
+        if capacity == self.fitted:
+            return
         self.buffer = self.storage[: capacity.buffer_entries]  # [entries] a view: the storage's address
         if self.lib is not None:
             self.offsets = np.array(capacity.segment_offsets(), dtype=np.int64)  # [7]
+            self.offsets_address = self.offsets.ctypes.data
+        self.fitted = capacity
 
     def upload(self, state: _PlanState, cap: PlanCapacity) -> None:
         """Copy ``state`` asynchronously on the device's current stream: its live entries, in one copy (an
@@ -730,9 +792,9 @@ class _DeviceMirror:
         staging = self.staging[turn]
         if staging is None:
             staging = self.staging[turn] = torch.empty(
-                len(self.storage), dtype=torch.int32, pin_memory=True
+                self.entries, dtype=torch.int32, pin_memory=True
             )  # [size class] host
-        index = self.buffer.device.index
+        index = self.index
         if self.lib is not None:
             if index == _current_device():
                 self._upload_compiled(turn, staging, state, cap, index)
@@ -768,18 +830,16 @@ class _DeviceMirror:
     ) -> None:
         """The same upload in one call (``pw_plan_upload``, device ``index`` current): wait for the staging
         buffer's last copy, write the live segments into it, enqueue the copies, record the turn's event."""
-        sizes = np.array(
-            PlanCapacity(0, state.total_pages, state.batch_size, state.num_tiles).segment_sizes(), dtype=np.int64
-        )  # [7] the live segments
+        sizes = np.array(_packed_sizes(state), dtype=np.int64)  # [7] the live segments
         status = self.lib.pw_plan_upload(
             self.buffer.data_ptr(),
             staging.data_ptr(),
             state.packed.ctypes.data,
-            self.offsets.ctypes.data,
-            sizes.ctypes.data,
+            self.offsets_address,
+            _writable_address(sizes),
             self.MAX_COPIED_GAP,
             _current_raw_stream(index),
-            self.event_handles.ctypes.data + 8 * turn,
+            self.events_address + 8 * turn,
         )
         if status != 0:
             raise RuntimeError(f"plan upload to {self.buffer.device} failed: CUDA error {status}")
@@ -808,14 +868,20 @@ class _MirrorPool:
         self.free: dict[tuple[int, int], list[_DeviceMirror]] = {}
 
     def take(self, capacity: PlanCapacity, device: torch.device) -> _DeviceMirror | None:
+        """A pooled mirror fitted to ``capacity`` on ``device`` (an indexed CUDA device) and its current stream, or
+        None. Reads each mirror's ``entries`` (its storage size) and calls its ``fit``."""
         free = self.free.get((device.index, _current_raw_stream(device.index)))
         if not free:
             return None
         need = capacity.buffer_entries
-        fits = [m for m in free if need <= len(m.storage) <= self.MAX_GROWTH * max(need, _DeviceMirror.MIN_ENTRIES)]
-        if not fits:
+        most = self.MAX_GROWTH * max(need, _DeviceMirror.MIN_ENTRIES)
+        mirror, smallest = None, 0
+        for m in free:  # the smallest storage in [need, most]; the first of equals
+            size = m.entries
+            if need <= size <= most and (mirror is None or size < smallest):
+                mirror, smallest = m, size
+        if mirror is None:
             return None
-        mirror = min(fits, key=lambda m: len(m.storage))
         try:
             free.remove(mirror)
         except ValueError:  # taken meanwhile (a finalizer ran inside this call)
@@ -824,10 +890,11 @@ class _MirrorPool:
         return mirror
 
     def give(self, mirrors) -> None:
+        """Keep ``mirrors`` (freed plans') by their ``index`` and ``stream``, within the pool's bounds."""
         for mirror in mirrors:
-            if len(mirror.storage) > self.MAX_ENTRIES:
+            if mirror.entries > self.MAX_ENTRIES:
                 continue
-            free = self.free.setdefault((mirror.storage.device.index, mirror.stream), [])
+            free = self.free.setdefault((mirror.index, mirror.stream), [])
             free.append(mirror)
             if len(free) > self.PER_STREAM:
                 free.pop(0)
@@ -844,8 +911,23 @@ def release_pooled_plan_buffers() -> None:
     _MIRROR_POOL.clear()
 
 
-def _return_mirrors(mirrors: dict) -> None:
-    """A plan's finalizer: its mirrors go to the pool."""
+_plan_refs: dict[int, weakref.ref] = {}
+"""A weak reference to each plan with mirrors (by the reference's id: plans do not hash), whose callback
+(:func:`_return_mirrors`) pools them when the plan is freed: a finalizer at a tenth of ``weakref.finalize``'s cost.
+Emptied at exit, so that (as with ``finalize``'s ``atexit = False``) nothing is pooled while the interpreter shuts
+down."""
+atexit.register(_plan_refs.clear)
+
+
+def _pool_at_end(plan: PrefillPagedPlan) -> None:
+    """When ``plan`` is freed, its mirrors go to the pool."""
+    ref = weakref.ref(plan, functools.partial(_return_mirrors, plan._mirrors))
+    _plan_refs[id(ref)] = ref
+
+
+def _return_mirrors(mirrors: dict, ref: weakref.ref) -> None:
+    """A freed plan's callback: its mirrors go to the pool."""
+    _plan_refs.pop(id(ref), None)
     _MIRROR_POOL.give(list(mirrors.values()))
 
 
@@ -867,18 +949,56 @@ def _loaded_kernels():
     return host_pass.loaded()
 
 
+_parsed_devices: dict[str, torch.device] = {}
+_indexed_cuda_devices: dict[int, torch.device] = {}
+_DEVICE_CACHE_LIMIT = 64
+
+
+def _as_device(device) -> torch.device | None:
+    """``torch.device(device)``, None for None; a device string is parsed once (a parse is pure), a device is
+    itself (devices are immutable)."""
+    if device is None or isinstance(device, torch.device):
+        return device
+    if type(device) is str:
+        found = _parsed_devices.get(device)
+        if found is None:
+            found = torch.device(device)
+            if len(_parsed_devices) < _DEVICE_CACHE_LIMIT:
+                _parsed_devices[device] = found
+        return found
+    return torch.device(device)
+
+
 def _cuda_device(device) -> torch.device | None:
-    if device is None:
+    """The CUDA device ``device`` names, with its index (the current device's when it has none); None for anything
+    else. One device object per index."""
+    device = _as_device(device)
+    if device is None or device.type != "cuda":
         return None
-    device = torch.device(device)
-    if device.type != "cuda":
-        return None
-    return torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    index = _current_cuda_index() if device.index is None else device.index
+    found = _indexed_cuda_devices.get(index)
+    if found is None:
+        found = torch.device("cuda", index)
+        if len(_indexed_cuda_devices) < _DEVICE_CACHE_LIMIT:
+            _indexed_cuda_devices[index] = found
+    return found
+
+
+def _current_cuda_index() -> int:
+    """``torch.cuda.current_device()``; once CUDA is initialized, torch's getter alone (what it returns then)."""
+    return _current_device() if torch.cuda.is_initialized() else torch.cuda.current_device()
+
+
+def _policy_device(device):
+    """The device to hand the tile policy: a CUDA device with its index resolved (the policy then skips that
+    lookup), else ``device`` as given. The policy's answer is the same for both."""
+    return _cuda_device(device) or device
 
 
 def _device_of(*values) -> torch.device | None:
+    """The device of the first CUDA tensor among ``values``, else None."""
     for v in values:
-        if isinstance(v, torch.Tensor) and v.device.type == "cuda":
+        if isinstance(v, torch.Tensor) and v.is_cuda:
             return v.device
     return None
 
@@ -896,7 +1016,7 @@ class PrefillPagedPlan:
         self.capacity = capacity
         self._tile = cta_tile_q
         self._tile_reason = tile_reason
-        self._device = None if device is None else torch.device(device)
+        self._device = _as_device(device)
         self._state: _PlanState | None = None
         self._version = 0
         self._mirrors: dict[torch.device, _DeviceMirror] = {}
@@ -964,9 +1084,8 @@ class PrefillPagedPlan:
 
     @classmethod
     def _exact(cls, state: _PlanState, reason: str, device) -> PrefillPagedPlan:
-        capacity = PlanCapacity.checked(
-            "", max(state.total_tokens, 1), state.total_pages, state.batch_size, max(state.num_tiles, 1)
-        )
+        """A plan sized exactly for validated ``state``, holding it (uploaded to ``device``'s buffer on a GPU)."""
+        capacity = _exact_capacity(state.total_tokens, state.total_pages, state.batch_size, state.num_tiles)
         plan = cls(capacity, cta_tile_q=state.cta_tile_q, tile_reason=reason, device=device)
         plan._commit(state)  # uploads to the mirror the constructor made for a CUDA device
         return plan
@@ -1055,7 +1174,7 @@ class PrefillPagedPlan:
         if mirror is None:
             mirror = _MIRROR_POOL.take(self.capacity, device) or _DeviceMirror(self.capacity, device)
             if not self._mirrors:  # the first mirror: at the plan's end, its mirrors go to the pool
-                weakref.finalize(self, _return_mirrors, self._mirrors).atexit = False
+                _pool_at_end(self)
             if self._state is not None:
                 mirror.upload(self._state, self.capacity)
             self._mirrors[device] = mirror
@@ -1336,7 +1455,7 @@ def _read_cuda_csr(given) -> _CsrArrays | None:
     synchronisation instead of four) as views of one array; None for anything else (read one by one, with
     every check of ``int_array``)."""
     first = given[0]
-    if not (isinstance(first, torch.Tensor) and first.device.type == "cuda" and first.dtype in _CUDA_CSR_DTYPES):
+    if not (isinstance(first, torch.Tensor) and first.is_cuda and first.dtype in _CUDA_CSR_DTYPES):
         return None
     for t in given:
         if not (isinstance(t, torch.Tensor) and t.device == first.device and t.dtype == first.dtype and t.dim() == 1):

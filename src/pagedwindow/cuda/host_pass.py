@@ -11,6 +11,7 @@ and produce the same block; the numpy pass also names the offending entry of a b
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 
 import torch
@@ -37,19 +38,23 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+@functools.cache
+def _ops():
+    """``pagedwindow.cuda.ops``, imported on first use (it imports this module); every plan asks for it."""
+    from . import ops
+
+    return ops
+
+
 def loaded() -> ctypes.CDLL | None:
     """A kernels library already loaded in this process (any one: the host pass is the same in every
     architecture's build), or None."""
-    from . import ops
-
-    return next(iter(ops._by_device.values()), None)
+    return next(iter(_ops()._by_device.values()), None)
 
 
 def library(device: torch.device | None) -> ctypes.CDLL | None:
     """The library to run the compiled pass with, or None: any kernels library loaded in this process; else,
     for a plan on a CUDA device, that device's (built on first use; a failure is remembered per device)."""
-    from . import ops
-
     lib = loaded()
     if lib is not None or device is None or device.type != "cuda":
         return lib
@@ -57,7 +62,7 @@ def library(device: torch.device | None) -> ctypes.CDLL | None:
     if index in _failed:
         return None
     try:
-        return ops.library(torch.device("cuda", index))
+        return _ops().library(torch.device("cuda", index))
     except Exception as exc:  # noqa: BLE001 - no kernels here: the numpy pass runs, and a launch reports why
         _failed.add(index)
         _log.warning("the compiled plan pass is unavailable on cuda:%d (plans use the numpy pass): %s", index, exc)

@@ -1,7 +1,8 @@
 """A representative launch of every kernel (prefill, pool write, fused prep), small enough for compute-sanitizer
 (memcheck) to finish quickly.
 
-Ragged batch, page_size 5 (tiles straddle pages), GQA 2, a prefix (start > 0), a seq-0 request, both tiles.
+Ragged batch, page_size 5 (tiles straddle pages), GQA 2, a prefix (start > 0), a seq-0 request, every tile; a
+decode batch whose long request the split-KV kernel splits.
 Prints the max error against the reference; exit code 1 when it is off. ``--prep`` runs only the prep's cases
 (for racecheck, whose cost the attention kernels would dominate).
 """
@@ -44,6 +45,30 @@ def attention_cases() -> float:
         )
         torch.cuda.synchronize()
         worst = max(worst, (out.float() - ref.float()).abs().max().item())
+    # Decode (the policy's tile 16: the split-KV kernel), no window: the 3000-key request splits across units.
+    gen = torch.Generator().manual_seed(16)
+    case = random_batch(
+        gen,
+        seq_lens=[1, 1, 3],
+        start_positions=[3000, 7, 640],
+        page_size=5,
+        num_qo_heads=16,
+        num_kv_heads=8,
+        head_dim=256,
+        dtype=torch.bfloat16,
+        device="cuda",
+    )
+    assert case.plan.cta_tile_q == 16, case.plan.describe()
+    pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan, backend="cuda")
+    for _ in range(2):  # the second launch finds the split counters the first one left
+        out = pw.batch_prefill_paged_window(
+            case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.0625, window_left=-1, backend="cuda"
+        )
+    ref = pw.batch_prefill_paged_window(
+        case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.0625, window_left=-1, backend="reference"
+    )
+    torch.cuda.synchronize()
+    worst = max(worst, (out.float() - ref.float()).abs().max().item())
     # A preallocated plan re-planned in place between launches (the serving path: async upload, fixed tile).
     gen = torch.Generator().manual_seed(1)
     plan = pw.PrefillPagedPlan.preallocated(

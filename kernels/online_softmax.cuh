@@ -1,8 +1,9 @@
 // pagedwindow: the mask and the online-softmax step both prefill kernels apply to one S tile.
 //
-// A warp holds 16 query rows x 64 keys of S in the mma.m16n8k16 / wgmma accumulator layout: at(n, e) is row
-// (e < 2 ? g : g + 8) of the warp's 16, key kb + 8n + 2 c4 + (e & 1), for n = 0..7, e = 0..3, where g = lane / 4
+// A warp holds 16 query rows x 8 kN keys of S in the mma.m16n8k16 / wgmma accumulator layout: at(n, e) is row
+// (e < 2 ? g : g + 8) of the warp's 16, key kb + 8n + 2 c4 + (e & 1), for n = 0..kN-1, e = 0..3, where g = lane / 4
 // and c4 = lane % 4. `at` is any callable returning that element by reference (the kernels store S differently).
+// The prefill kernels step 64 keys at a time (kN = 8), the decode kernel 16 (kN = 2).
 #pragma once
 
 #include <math.h>
@@ -13,10 +14,10 @@ namespace pw_softmax {
 
 // Set to -inf the logits of keys a row cannot see: key k is visible from row 0 (g) iff lo0 <= k <= qp0, from
 // row 1 (g + 8) iff lo1 <= k <= qp1.
-template <class At>
+template <int kN = 8, class At>
 __device__ __forceinline__ void mask_tile(At at, int kb, int c4, int lo0, int qp0, int lo1, int qp1) {
 #pragma unroll
-  for (int n = 0; n < 8; ++n) {
+  for (int n = 0; n < kN; ++n) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int key = kb + 8 * n + 2 * c4 + (e & 1);
@@ -31,12 +32,12 @@ __device__ __forceinline__ void mask_tile(At at, int kb, int c4, int lo0, int qp
 // P = exp2(s * sl2 - m_new) in the tile (fp32, in place), and returns alpha = exp2(m_old - m_new), the factor by
 // which the row's O must be rescaled before P V is added. A row with nothing visible yet keeps m = -inf and gets
 // P = 0 and alpha = 0, not NaN.
-template <class At>
+template <int kN = 8, class At>
 __device__ __forceinline__ void softmax_step(At at, float sl2, float& m0, float& m1, float& l0, float& l1,
                                              float& alpha0, float& alpha1) {
   float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-  for (int n = 0; n < 8; ++n) {
+  for (int n = 0; n < kN; ++n) {
     mx0 = fmaxf(mx0, fmaxf(at(n, 0), at(n, 1)));
     mx1 = fmaxf(mx1, fmaxf(at(n, 2), at(n, 3)));
   }
@@ -55,7 +56,7 @@ __device__ __forceinline__ void softmax_step(At at, float sl2, float& m0, float&
   m1 = mn1;
   float rs0 = 0.f, rs1 = 0.f;
 #pragma unroll
-  for (int n = 0; n < 8; ++n) {
+  for (int n = 0; n < kN; ++n) {
     at(n, 0) = pw_ptx::fast_exp2(fmaf(at(n, 0), sl2, -mu0));
     at(n, 1) = pw_ptx::fast_exp2(fmaf(at(n, 1), sl2, -mu0));
     at(n, 2) = pw_ptx::fast_exp2(fmaf(at(n, 2), sl2, -mu1));

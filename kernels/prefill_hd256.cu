@@ -8,7 +8,8 @@
 //
 // Structure (FA2-class, mma.sync; the sm_90a wgmma kernel, prefill_hd256_sm90.cu, takes the same parameter
 // block on Hopper):
-//   * CTA = kWarps warps, each warp owns 16 packed (token, head-in-group) query rows; cta_tile_q = 16*kWarps.
+//   * CTA = kWarps warps, each warp owns 16 packed (token, head-in-group) query rows; cta_tile_q = 16*kWarps
+//     (64 or 128; cta_tile_q 16 runs the split-KV decode kernel, decode_hd256.cu).
 //   * KV tile = 64 keys. Q, K and V live in dynamic shared memory, 512-byte rows, 16-byte chunks XOR-swizzled
 //     by (row & 7) so that ldmatrix and cp.async are bank-conflict free.
 //   * S = Q K^T and O += P V with mma.sync.m16n8k16 (bf16 -> fp32). Q fragments are re-read from shared
@@ -59,34 +60,12 @@ static_assert(kChunksPerRow == 32, "the loaders map one lane to one 16-byte chun
 
 using Params = PwPrefillParams;
 
-// ------------------------------------------------------------------------------------------------ PTX helpers
+// ------------------------------------------------------------------------------------- shared-memory layout
 
 // Byte offset of 16-byte chunk `chunk` (0..31) of row `row` in a swizzled 512-byte-row tile.
 __device__ __forceinline__ uint32_t swz(int row, int chunk) {
   return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
 }
-
-__device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-
-// D = A * B + D, m16n8k16, A row-major bf16, B col-major bf16, fp32 accumulate.
-__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                               uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
 
 // ------------------------------------------------------------------------------------------- KV tile loader
 // Warp w copies rows w, w + kWarps, w + 2*kWarps, ... of a 64-key tile; lane l copies chunk l of each row.
@@ -452,7 +431,7 @@ extern "C" int pw_prefill_hd256_bf16(const PwPrefillLaunch* a, void* stream) {
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return static_cast<int>(e);
   switch (a->cta_tile_q) {
-    case 16: return launch<1, 1>(p, grid_tiles, device, s);
+    case 16: return pw_decode_hd256_launch(p, grid_tiles, s);  // the split-KV decode kernel (decode_hd256.cu)
     case 64: {
       int stages = 1;
       const int rc = stages_for_device(device, &stages);

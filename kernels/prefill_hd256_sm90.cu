@@ -11,8 +11,7 @@
 // Structure (FlashAttention-3-like, warp-specialised):
 //   * CTA = 1 producer warpgroup + kWG consumer warpgroups (128 threads each). Consumer warpgroup c owns the
 //     packed query rows [64c, 64c + 64) of the tile. cta_tile_q 128 -> kWG = 2 (the fast path);
-//     cta_tile_q 64 and 16 -> kWG = 1 (a 16-row tile runs a 64-row warpgroup whose rows 16..63 are
-//     zero-filled and never written).
+//     cta_tile_q 64 -> kWG = 1. (cta_tile_q 16 runs the split-KV decode kernel, decode_hd256.cu.)
 //   * Producer: loads Q once (all four warps, 16-byte cp.async), then K(j), V(j) for every 64-key tile j into
 //     buffer j % 2 (2 K and 2 V buffers), waiting on the buffer's "empty" mbarrier (one arrival per consumer
 //     warp) first. Two ways to copy a tile, chosen by the host per call:
@@ -1010,7 +1009,11 @@ extern "C" int pw_prefill_hd256_bf16_sm90(const PwPrefillLaunch* a, void* stream
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return static_cast<int>(e);
   switch (a->cta_tile_q) {
-    case 16: return launch<16, 1>(p, grid_tiles, device, s);
+    case 16: {  // the split-KV decode kernel (decode_hd256.cu), behind the same device/binary check
+      const int rc = check_arch<64, 1>(device);
+      if (rc != 0) return rc;
+      return grid_tiles == 0 ? PW_PREFILL_OK : pw_decode_hd256_launch(p, grid_tiles, s);
+    }
     case 64: return launch<64, 1>(p, grid_tiles, device, s);
     default:  // 128
       return launch<128, 2>(p, grid_tiles, device, s);

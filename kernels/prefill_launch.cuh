@@ -1,5 +1,6 @@
-// pagedwindow: what both head_dim-256 prefill launchers share (prefill_hd256.cu, prefill_hd256_sm90.cu):
-// the status codes, the kernel parameter block, and the argument checks every launch passes first.
+// pagedwindow: what the head_dim-256 attention launchers share (prefill_hd256.cu, prefill_hd256_sm90.cu, and
+// decode_hd256.cu, which both run for cta_tile_q 16): the status codes, the kernel parameter block, and the
+// argument checks every launch passes first.
 // Host-side only; the kernels read PwPrefillParams by value.
 #pragma once
 
@@ -11,12 +12,14 @@
 // Negative: an argument error found before any launch (nothing is written); positive: a cudaError_t.
 enum PwPrefillStatus {
   PW_PREFILL_OK = 0,
-  PW_PREFILL_ERR_NULL_POINTER = -1,       // a required pointer is NULL (lse may be NULL)
-  PW_PREFILL_ERR_NONPOSITIVE_SIZE = -2,   // page_size, num_qo_heads, num_kv_heads, page_stride < 1 or grid_tiles < 0
+  PW_PREFILL_ERR_NULL_POINTER = -1,       // a required pointer is NULL (lse may be NULL; the workspace when it has
+                                          // no units)
+  PW_PREFILL_ERR_NONPOSITIVE_SIZE = -2,   // page_size, num_qo_heads, num_kv_heads, page_stride < 1, grid_tiles < 0
+                                          // or workspace_units < 0
   PW_PREFILL_ERR_HEAD_RATIO = -3,         // num_qo_heads % num_kv_heads != 0
   PW_PREFILL_ERR_UNSUPPORTED_TILE = -4,   // cta_tile_q not in {16, 64, 128}
-  PW_PREFILL_ERR_MISALIGNED = -5,         // q/out/pool not 16-byte aligned, lse not 4-byte aligned,
-                                          // or k_offset/v_offset/page_stride not a multiple of 8 elements
+  PW_PREFILL_ERR_MISALIGNED = -5,         // q/out/pool/workspace not 16-byte aligned, lse/split_counters not
+                                          // 4-byte aligned, or k_offset/v_offset/page_stride not a multiple of 8
   PW_PREFILL_ERR_BAD_SCALE = -6,          // sm_scale not finite or not > 0
   PW_PREFILL_ERR_BAD_WINDOW = -7,         // window_left < -1
   PW_PREFILL_ERR_NEGATIVE_OFFSET = -9,    // k_offset or v_offset < 0
@@ -48,6 +51,9 @@ struct PwPrefillParams {
   int group;
   int window_left;
   float scale_log2;  // sm_scale * log2(e)
+  float* workspace;  // the decode kernel's split partials (see PwPrefillLaunch)
+  int* split_counters;
+  int workspace_units;
 };
 
 // The launch parameter block: what the host passes to either prefill launcher, in one struct (mirrored field by
@@ -75,6 +81,11 @@ struct PwPrefillLaunch {
   int cta_tile_q;   // 16, 64 or 128
   int window_left;  // inclusive distance, -1 = no window
   float sm_scale;
+  // cta_tile_q 16 runs the split-KV decode kernel (decode_hd256.cu), which may split a tile's keys across CTAs:
+  // each split leaves its partial output rows and log-sum-exp here and the last one to finish merges them.
+  float* workspace;     // [workspace_units, 16 rows, 256 + 1] fp32 scratch, or NULL when workspace_units is 0
+  int* split_counters;  // [workspace_units] int32, all zero before a launch (every launch leaves them zero)
+  int workspace_units;  // 0: tiles are never split (the other tiles ignore all three fields)
 };
 
 // Check a launch's arguments and fill `p`; returns a status (PW_PREFILL_OK or < 0). Nothing is launched.
@@ -84,8 +95,11 @@ static inline int pw_prefill_prepare(const PwPrefillLaunch* a, PwPrefillParams* 
       a->page_indptr == nullptr || a->last_page_len == nullptr || a->qo_indptr == nullptr ||
       a->request_indices == nullptr || a->qo_tile_indices == nullptr || a->plan_scalars == nullptr)
     return PW_PREFILL_ERR_NULL_POINTER;
-  if (a->page_size < 1 || a->num_qo_heads < 1 || a->num_kv_heads < 1 || a->page_stride < 1 || a->grid_tiles < 0)
+  if (a->page_size < 1 || a->num_qo_heads < 1 || a->num_kv_heads < 1 || a->page_stride < 1 || a->grid_tiles < 0 ||
+      a->workspace_units < 0)
     return PW_PREFILL_ERR_NONPOSITIVE_SIZE;
+  if (a->workspace_units > 0 && (a->workspace == nullptr || a->split_counters == nullptr))
+    return PW_PREFILL_ERR_NULL_POINTER;
   if (a->k_offset < 0 || a->v_offset < 0) return PW_PREFILL_ERR_NEGATIVE_OFFSET;
   if (a->num_qo_heads % a->num_kv_heads != 0) return PW_PREFILL_ERR_HEAD_RATIO;
   if (a->num_kv_heads > 65535 || a->num_qo_heads > (0x7fffffff / kPwPrefillHeadDim)) return PW_PREFILL_ERR_TOO_LARGE;
@@ -93,8 +107,9 @@ static inline int pw_prefill_prepare(const PwPrefillLaunch* a, PwPrefillParams* 
   if (a->window_left < -1) return PW_PREFILL_ERR_BAD_WINDOW;
   // clang-format off: the alignment masks grouped by the bound they are tested against
   if (((reinterpret_cast<uintptr_t>(a->q) | reinterpret_cast<uintptr_t>(a->out) |
-        reinterpret_cast<uintptr_t>(a->pool)) & 15u) != 0 ||
-      (reinterpret_cast<uintptr_t>(a->lse) & 3u) != 0 || ((a->k_offset | a->v_offset | a->page_stride) & 7) != 0)
+        reinterpret_cast<uintptr_t>(a->pool) | reinterpret_cast<uintptr_t>(a->workspace)) & 15u) != 0 ||
+      ((reinterpret_cast<uintptr_t>(a->lse) | reinterpret_cast<uintptr_t>(a->split_counters)) & 3u) != 0 ||
+      ((a->k_offset | a->v_offset | a->page_stride) & 7) != 0)
     return PW_PREFILL_ERR_MISALIGNED;
   // clang-format on
   if (a->cta_tile_q != 16 && a->cta_tile_q != 64 && a->cta_tile_q != 128) return PW_PREFILL_ERR_UNSUPPORTED_TILE;
@@ -119,8 +134,15 @@ static inline int pw_prefill_prepare(const PwPrefillLaunch* a, PwPrefillParams* 
   p->group = a->num_qo_heads / a->num_kv_heads;
   p->window_left = a->window_left;
   p->scale_log2 = a->sm_scale * 1.4426950408889634f;
+  p->workspace = a->workspace;
+  p->split_counters = a->split_counters;
+  p->workspace_units = a->workspace_units;
   return PW_PREFILL_OK;
 }
+
+// Launch the split-KV decode kernel (decode_hd256.cu) for a block pw_prefill_prepare checked, with cta_tile_q 16,
+// on the current device; returns 0, a negative status or a cudaError_t. Both prefill launchers call it for 16.
+int pw_decode_hd256_launch(const PwPrefillParams& p, int grid_tiles, cudaStream_t stream);
 
 // Human-readable text of a status returned by either prefill launcher.
 static inline const char* pw_prefill_status_string(int code) {
@@ -128,11 +150,12 @@ static inline const char* pw_prefill_status_string(int code) {
     case PW_PREFILL_OK: return "ok";
     case PW_PREFILL_ERR_NULL_POINTER: return "a required pointer is NULL";
     case PW_PREFILL_ERR_NONPOSITIVE_SIZE:
-      return "page_size, num_qo_heads, num_kv_heads or page_stride < 1, or grid_tiles < 0";
+      return "page_size, num_qo_heads, num_kv_heads or page_stride < 1, or grid_tiles or workspace_units < 0";
     case PW_PREFILL_ERR_HEAD_RATIO: return "num_qo_heads is not a multiple of num_kv_heads";
     case PW_PREFILL_ERR_UNSUPPORTED_TILE: return "cta_tile_q is not 16, 64 or 128";
     case PW_PREFILL_ERR_MISALIGNED:
-      return "q/out/pool not 16-byte aligned, lse not 4-byte aligned, or an offset/stride not a multiple of 8";
+      return "q/out/pool/workspace not 16-byte aligned, lse/split_counters not 4-byte aligned, or an offset/stride "
+             "not a multiple of 8";
     case PW_PREFILL_ERR_BAD_SCALE: return "sm_scale is not finite and > 0";
     case PW_PREFILL_ERR_BAD_WINDOW: return "window_left < -1";
     case PW_PREFILL_ERR_NEGATIVE_OFFSET: return "k_offset or v_offset < 0";

@@ -8,6 +8,7 @@ import pagedwindow as pw
 from pagedwindow import testing
 from pagedwindow.cuda import ops
 from pagedwindow.layout import checked_paged_geometry
+from pagedwindow.plan import SPLIT_KV_UNITS_PER_SM
 from pagedwindow.testing import dense_attention, error_bound, max_abs_err, random_batch, run_kernel_case
 
 pytestmark = pytest.mark.cuda
@@ -290,8 +291,50 @@ def test_update_does_not_wait_for_the_gpu():
     torch.cuda.synchronize()
 
 
-def test_torch_compile_fullgraph():
-    case, out, _ = run_kernel_case(GEOMETRIES[2], 1023, seed=3)
+@pytest.mark.parametrize("window_left", [-1, 1023])
+def test_decode_kernel_splits_a_long_request_and_leaves_its_counters_zero(window_left):
+    """One decode token on 70 000 keys (tile 16): the split-KV kernel spreads its keys over many units (their
+    partial log-sum-exps land in the workspace, poisoned with NaN beforehand), merges them to the fp64 answer,
+    leaves every counter zero for the next launch, and gives bit-identical rows when run again."""
+    case, out, lse = run_kernel_case((16, [1], [70000], (16, 8), 16), window_left, seed=11)
+    workspace, counters = case.plan.split_kv_workspace(torch.device("cuda"))
+    units = len(counters)
+    assert units == SPLIT_KV_UNITS_PER_SM * torch.cuda.get_device_properties(0).multi_processor_count
+    assert len(workspace) == units * 16 * (D + 1)
+    assert torch.equal(counters, torch.zeros_like(counters))
+    exact = dense_attention(case, sm_scale=SM_SCALE, window_left=window_left)  # [1, 16, 256] fp64
+    plain = dense_attention(case, sm_scale=SM_SCALE, window_left=window_left, dtype=torch.bfloat16)
+    assert max_abs_err(out[:1], exact) <= error_bound(max_abs_err(plain, exact))
+
+    workspace.fill_(float("nan"))
+    again = torch.full_like(out, float("nan"))
+    pw.batch_prefill_paged_window(
+        case.q,
+        case.pool,
+        case.layout,
+        case.layer,
+        case.plan,
+        sm_scale=SM_SCALE,
+        window_left=window_left,
+        out=again,
+        backend="cuda",
+    )
+    torch.cuda.synchronize()
+    assert torch.equal(again[:1], out[:1]), "the split merge is not deterministic"
+    assert torch.equal(counters, torch.zeros_like(counters)), "a launch left a split counter set"
+    partial_lse = workspace[units * 16 * D :].view(units, 16)  # [units, 16 rows]: row r = head r (group 2, 8 heads)
+    written = (~torch.isnan(partial_lse[:, :2])).all(dim=1).sum().item()  # units whose 2 live rows were written
+    # 8 KV heads' tiles; 64 splits at most per tile, and at most one per 4 steps of 16 keys
+    steps = 4376 if window_left < 0 else 65  # keys [0, 70001), or [68976, 70001) in 16-key steps
+    expect = 8 * min(64, units // 8, steps // 4)
+    assert written == expect, f"{written} split units written, expected {expect}"
+
+
+@pytest.mark.parametrize(
+    "geometry", [GEOMETRIES[2], (16, [1] * 9, [0, 15, 16, 17, 100, 1023, 1024, 4095, 2500], (16, 8), 16)]
+)
+def test_torch_compile_fullgraph(geometry):
+    case, out, _ = run_kernel_case(geometry, 1023, seed=3)
     got = torch.empty_like(out)
 
     def direct(q, pool, out):
@@ -320,6 +363,8 @@ def test_opcheck_both_ops():
             buffer,
             out,
             lse,
+            None,  # no decode workspace: GEOMETRIES[0] is a 64-row plan
+            None,
             geo.k_offset,
             geo.v_offset,
             geo.page_stride,

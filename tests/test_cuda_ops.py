@@ -11,7 +11,7 @@ def _mutated(op) -> set:
 
 
 def test_schemas_declare_exactly_the_written_arguments():
-    assert _mutated(torch.ops.pagedwindow.prefill_hd256.default) == {"out", "lse"}
+    assert _mutated(torch.ops.pagedwindow.prefill_hd256.default) == {"out", "lse", "workspace", "split_counters"}
     assert _mutated(torch.ops.pagedwindow.append_paged_kv.default) == {"pool"}
     assert _mutated(torch.ops.pagedwindow.prepare_qkv.default) == {"pool", "out_q"}
 
@@ -22,7 +22,12 @@ def _prefill_args(make):
     plan = make((64,), torch.int32)
     out = make((40, 16, 256), torch.bfloat16)
     lse = make((40, 16), torch.float32)
-    return (q, pool, plan, out, lse, 0, 65536, 262144, 16, 16, 8, [0, 3, 6, 8, 11, 31, 51], 20, 64, 1.0, 1023)
+    workspace = make((528 * 16 * 257,), torch.float32)  # the decode kernel's (tile 16)
+    counters = make((528,), torch.int32)
+    return (
+        q, pool, plan, out, lse, workspace, counters,
+        0, 65536, 262144, 16, 16, 8, [0, 3, 6, 8, 11, 31, 51], 20, 16, 1.0, 1023,
+    )  # fmt: skip
 
 
 def test_fake_prefill_runs_under_fake_tensors():
@@ -39,16 +44,17 @@ def test_fake_prefill_runs_under_fake_tensors():
 
 def test_export_traces_both_ops_without_running_them():
     class Step(torch.nn.Module):
-        def forward(self, q, pool, plan, out, lse, k, v):
+        def forward(self, q, pool, plan, out, lse, workspace, counters, k, v):
             torch.ops.pagedwindow.append_paged_kv(
                 k, v, pool, plan, 0, 65536, 262144, 16, 8, 256, [0, 3, 6, 8, 11, 31, 51], 2, 40
             )
             torch.ops.pagedwindow.prefill_hd256(
-                q, pool, plan, out, lse, 0, 65536, 262144, 16, 16, 8, [0, 3, 6, 8, 11, 31, 51], 20, 64, 1.0, 1023
-            )
+                q, pool, plan, out, lse, workspace, counters,
+                0, 65536, 262144, 16, 16, 8, [0, 3, 6, 8, 11, 31, 51], 20, 16, 1.0, 1023,
+            )  # fmt: skip
             return out
 
-    args = _prefill_args(lambda shape, dtype: torch.zeros(shape, dtype=dtype))[:5]
+    args = _prefill_args(lambda shape, dtype: torch.zeros(shape, dtype=dtype))[:7]
     kv = torch.zeros(40, 8, 256, dtype=torch.bfloat16)
     graph = torch.export.export(Step(), (*args, kv, kv)).graph_module.code
     assert "pagedwindow.append_paged_kv" in graph and "pagedwindow.prefill_hd256" in graph

@@ -42,6 +42,9 @@ GOOD_PREFILL = dict(
     cta_tile_q=64,
     sm_scale=1.0,
     window_left=1023,
+    workspace=None,
+    split_counters=None,
+    workspace_units=0,
 )
 
 
@@ -62,6 +65,12 @@ GOOD_PREFILL = dict(
         (dict(window_left=-2), -7, "window_left"),
         (dict(v_offset=-8), -9, "offset"),
         (dict(num_kv_heads=65536, num_qo_heads=65536), -11, "65535"),
+        # the decode kernel's workspace (tile 16), checked for every tile
+        (dict(workspace_units=-1), -2, "workspace_units < 0"),
+        (dict(workspace_units=4, split_counters=ALIGNED), -1, "NULL"),
+        (dict(workspace_units=4, workspace=ALIGNED), -1, "NULL"),
+        (dict(workspace_units=4, workspace=ALIGNED + 4, split_counters=ALIGNED, cta_tile_q=16), -5, "workspace"),
+        (dict(workspace_units=4, workspace=ALIGNED, split_counters=ALIGNED + 2, cta_tile_q=16), -5, "split_counters"),
     ],
 )
 def test_prefill_launchers_refuse_before_any_cuda_call(lib, entry, change, code, text):

@@ -57,7 +57,9 @@ def test_tile_constants_are_shared():
         ([4, 0, 4], 2, 16, "all 16 packed rows fit one 16-row tile"),
         ([0], 4, 16, "all 0 packed rows fit one 16-row tile"),
         ([9], 2, 64, "policy sm_90: 18 packed rows per request < 128"),
-        ([1, 1, 1, 1, 1, 1, 1, 1, 1], 2, 64, "policy sm_90: 2 packed rows per request < 128"),  # decode
+        ([1, 1, 1, 1, 1, 1, 1, 1, 1], 2, 16, "policy sm_90: at most 2 packed rows per request (decode)"),
+        ([8, 3, 0, 8], 2, 16, "policy sm_90: at most 16 packed rows per request (decode)"),
+        ([1] * 40 + [9], 2, 64, "policy sm_90: 2 packed rows per request < 128"),  # one request past 16 rows
         ([64], 2, 64, "policy sm_90: 8 CTAs at tile 128 leave some of 132 SMs idle"),  # too few CTAs for 128
         ([1024] * 17, 2, 128, "policy sm_90: 2048 packed rows per request >= 128, 2176 CTAs"),
         ([256], 2, 64, "policy sm_90: 32 CTAs at tile 128"),  # a 256-token chunk: 4 tiles x 8 heads
@@ -82,7 +84,8 @@ def test_tile_for_batch_on_a_cpu_host_is_the_hopper_rule(seq_lens, group, tile, 
         (64, 1, 128, "policy sm_90 capacity: 64 tokens per request >= 64"),
         (4096, 8, 128, "policy sm_90 capacity: 512 tokens per request >= 64"),
         (63, 1, 64, "policy sm_90 capacity: 63 tokens per request"),
-        (256, 256, 64, "policy sm_90 capacity: 1 tokens per request"),
+        (256, 256, 16, "policy sm_90 capacity: one token per request (decode)"),
+        (257, 256, 64, "policy sm_90 capacity: 1 tokens per request"),
     ],
 )
 def test_tile_for_capacity_on_a_cpu_host(tokens, batch, tile, reason):
@@ -131,7 +134,11 @@ def test_preallocated_fixes_its_tile_from_capacity():
     decode = pw.PrefillPagedPlan.preallocated(
         max_total_tokens=32, max_total_pages=64, max_batch=32, max_tiles=64, device="cpu"
     )
-    assert decode.cta_tile_q == 64 and decode.tile_reason == "policy sm_90 capacity: 1 tokens per request"
+    assert decode.cta_tile_q == 16 and decode.tile_reason == "policy sm_90 capacity: one token per request (decode)"
+    mixed = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=48, max_total_pages=64, max_batch=32, max_tiles=64, device="cpu"
+    )
+    assert mixed.cta_tile_q == 64 and mixed.tile_reason == "policy sm_90 capacity: 2 tokens per request"
     explicit = pw.PrefillPagedPlan.preallocated(
         max_total_tokens=1024, max_total_pages=64, max_batch=4, max_tiles=64, cta_tile_q=16, device="cpu"
     )

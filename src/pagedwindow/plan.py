@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from .errors import INT32_MAX, PagedWindowError, checked_i32, checked_i32_array, int_array
-from .tiles import SUPPORTED_CTA_TILE_Q, tile_for_batch, tile_for_capacity
+from .tiles import SUPPORTED_CTA_TILE_Q, device_traits, tile_for_batch, tile_for_capacity
 
 __all__ = [
     "PlanArrays",
@@ -705,6 +705,18 @@ def _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, 
 # -- device mirrors ---------------------------------------------------------------------------------------------
 
 
+SPLIT_KV_TILE = 16
+"""Plans at this tile run split-KV launches (the decode kernel), with :meth:`PrefillPagedPlan.split_kv_workspace`."""
+SPLIT_KV_UNITS_PER_SM = 4
+"""Split-KV work units the workspace holds per SM (the decode kernel keeps 4 one-warp CTAs per SM busy)."""
+
+
+def _split_kv_unit_floats(state: _PlanState) -> int:
+    """fp32 entries of one split-KV unit for ``state`` (a tile's rows x (head_dim outputs + 1 LSE)), 0 if the
+    plan's launches do not split."""
+    return SPLIT_KV_TILE * (state.head_dim + 1) if state.cta_tile_q == SPLIT_KV_TILE else 0
+
+
 class _DeviceMirror:
     """A plan's int32 buffer on one GPU, its pinned staging twins, and the event of each one's upload.
 
@@ -728,6 +740,7 @@ class _DeviceMirror:
         "offsets_address",
         "event_handles",
         "events_address",
+        "split_kv",
         "__weakref__",
     )
 
@@ -761,6 +774,7 @@ class _DeviceMirror:
             self.staged: list[np.ndarray | None] = [None] * self.STAGING_BUFFERS  # numpy views of the staging
             self.events: list[torch.cuda.Event | None] = [None] * self.STAGING_BUFFERS
         self.fitted: PlanCapacity | None = None
+        self.split_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # made by ensure_split_kv
         self.fit(capacity)
 
     @classmethod
@@ -781,6 +795,19 @@ class _DeviceMirror:
             self.offsets = np.array(capacity.segment_offsets(), dtype=np.int64)  # [7]
             self.offsets_address = self.offsets.ctypes.data
         self.fitted = capacity
+
+    def ensure_split_kv(self, unit_floats: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The split-KV scratch on this mirror's device, made on first need and kept with the mirror (pooled with
+        it): ``SPLIT_KV_UNITS_PER_SM`` units per SM of ``unit_floats`` fp32 each, and a zeroed int32 counter per
+        unit (the kernel leaves the counters zero after every launch)."""
+        found = self.split_kv
+        if found is None or len(found[0]) != len(found[1]) * unit_floats:
+            units = SPLIT_KV_UNITS_PER_SM * device_traits(self.storage.device)[1]
+            found = self.split_kv = (
+                torch.empty(units * unit_floats, dtype=torch.float32, device=self.storage.device),  # [units*unit]
+                torch.zeros(units, dtype=torch.int32, device=self.storage.device),  # [units]
+            )
+        return found
 
     def upload(self, state: _PlanState, cap: PlanCapacity) -> None:
         """Copy ``state`` asynchronously on the device's current stream: its live entries, in one copy (an
@@ -1166,8 +1193,11 @@ class PrefillPagedPlan:
         self._version += 1
         self._derived = {}
         self.launch_cache = {}
+        split_floats = _split_kv_unit_floats(state)
         for mirror in self._mirrors.values():
             mirror.upload(state, self.capacity)
+            if split_floats:
+                mirror.ensure_split_kv(split_floats)
 
     def _mirror(self, device: torch.device) -> _DeviceMirror:
         mirror = self._mirrors.get(device)
@@ -1177,8 +1207,30 @@ class PrefillPagedPlan:
                 _pool_at_end(self)
             if self._state is not None:
                 mirror.upload(self._state, self.capacity)
+                split_floats = _split_kv_unit_floats(self._state)
+                if split_floats:
+                    mirror.ensure_split_kv(split_floats)
             self._mirrors[device] = mirror
         return mirror
+
+    def split_kv_workspace(self, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a plan at tile ``SPLIT_KV_TILE`` on a GPU: the scratch its split-KV launches use on ``device``,
+        ``(partials [units * 16 * (head_dim + 1)] fp32, counters [units] int32, zero between launches)``, made
+        with the plan's device buffer and kept at fixed addresses for the plan's life (a captured launch reads
+        them after every update). None for other tiles and on the CPU. A unit holds one split's 16 partial rows
+        and their 16 log-sum-exps; ``units`` is ``SPLIT_KV_UNITS_PER_SM`` per SM."""
+        split_floats = _split_kv_unit_floats(self._require())
+        if not split_floats:
+            return None
+        mirror = self._mirrors.get(device)
+        if mirror is None:
+            device = torch.device(device)
+            if device.type != "cuda":
+                return None
+            cuda_device = _cuda_device(device)
+            assert cuda_device is not None  # a CUDA device
+            mirror = self._mirror(cuda_device)
+        return mirror.ensure_split_kv(split_floats)
 
     def device_buffer(self, device) -> torch.Tensor:
         """The whole int32 plan buffer on ``device`` at capacity (segments at ``capacity.segment_offsets()`` in

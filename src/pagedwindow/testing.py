@@ -261,6 +261,13 @@ KERNEL_GEOMETRIES = [
     (8, [300, 45], [0, 77], (16, 8), 128),
     (32, [577], [100], (16, 8), None),
     (128, [200, 70], [1000, 3], (8, 2), 128),
+    # tile 16, the split-KV decode kernel: ragged decode (kv_len 1 included), one request's keys split over many
+    # CTAs, GQA 1 / 8 / 16, a request of two 16-row tiles, empty requests, page sizes 1 and 5
+    (16, [1] * 9, [0, 15, 16, 17, 100, 1023, 1024, 4095, 2500], (16, 8), None),
+    (16, [1], [70000], (16, 8), None),
+    (1, [1, 3, 0, 1], [0, 999, 50, 2000], (16, 2), 16),
+    (5, [2, 1, 0], [4000, 6, 9], (4, 4), 16),
+    (32, [1, 1], [3000, 100], (16, 1), None),
 ]
 KERNEL_WINDOWS = [-1, 0, 1, 13, 1023, 10**6]
 KERNEL_SM_SCALE = 0.0625

@@ -5,17 +5,20 @@ A tile is ``cta_tile_q`` packed GQA rows per CTA (packed row ``r`` is token ``r 
 the policy picks the one measured fastest for the shape on the device the plan is for
 (``benchmarks/NOTES.md``, "Tile policy"):
 
+- Every GPU: 16 when no request has more than 16 packed rows (decode, and a few new tokens per request): tile 16
+  runs the split-KV decode kernel (``kernels/decode_hd256.cu``), which reads each request's K/V window once per
+  KV head and spreads a small batch's keys over every SM; the prefill tiles would compute 4-64x more padding.
 - Hopper (compute capability 9.0, the wgmma kernel): 128 when the requests carrying new rows average at least
   128 packed rows and the 128-row grid (tiles x KV heads) still fills every SM (long prefills and chunks:
-  1.3-1.4x faster than 64 on the H200), 16 when the whole batch fits in 16 packed rows, else 64 (decode: a
-  128-row tile computes 64x more padding for a 2-row request; a 512-token chunk at 8 KV heads makes 64 CTAs at
-  tile 128 on 132 SMs and runs 1.35x faster at 64).
-- Other GPUs (the mma.sync kernel): 16 when the whole batch fits in 16 packed rows, else 64 (128 gains nothing
-  there: the kernel is bound by its shared-memory reads).
+  1.3-1.4x faster than 64 on the H200), else 64 (a 512-token chunk at 8 KV heads makes 64 CTAs at tile 128
+  on 132 SMs and runs 1.35x faster at 64).
+- Other GPUs (the mma.sync kernel): else 64 (128 gains nothing there: the kernel is bound by its shared-memory
+  reads).
 - No GPU: the Hopper rule, so a plan built on a CPU host lays out the way it would on the target.
 
-A preallocated plan fixes its tile from its capacity (``tile_for_capacity``): on Hopper 128 when the capacity
-averages at least 64 new tokens per request, else 64; elsewhere 64.
+A preallocated plan fixes its tile from its capacity (``tile_for_capacity``): 16 when the capacity holds one new
+token per request (a decode loop), else on Hopper 128 when it averages at least 64 new tokens per request, else
+64.
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ def tile_for_batch(
     total = (int(seq_lens.sum()) if total_tokens is None else total_tokens) * group  # packed rows
     if total <= 16:
         return 16, f"policy sm_{capability[0]}{capability[1]}: all {total} packed rows fit one 16-row tile"
+    busiest = int(seq_lens.max()) * group  # packed rows of the largest request
+    if busiest <= 16:
+        return 16, f"policy sm_{capability[0]}{capability[1]}: at most {busiest} packed rows per request (decode)"
     if capability == (9, 0):
         mean = total / np.count_nonzero(seq_lens)  # packed rows per request with new rows
         if mean < 128:
@@ -79,6 +85,8 @@ def tile_for_capacity(max_total_tokens: int, max_batch: int, device=None) -> tup
     """The tile a preallocated plan fixes at creation, from its capacity; returns (tile, reason)."""
     capability, _ = device_traits(device)
     per_request = max_total_tokens / max_batch
+    if per_request <= 1:
+        return 16, f"policy sm_{capability[0]}{capability[1]} capacity: one token per request (decode)"
     if capability == (9, 0) and per_request >= 64:
         return 128, f"policy sm_90 capacity: {per_request:.0f} tokens per request >= 64"
     return 64, f"policy sm_{capability[0]}{capability[1]} capacity: {per_request:.0f} tokens per request"

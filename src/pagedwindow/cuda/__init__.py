@@ -127,6 +127,7 @@ def _prefill_block(plan: PrefillPagedPlan, device: torch.device, buffer: torch.T
     key = ("prefill", device.index)
     block = plan.launch_cache.get(key)
     if block is None:
+        workspace, counters = plan.split_kv_workspace(device) or (None, None)
         block = plan.launch_cache[key] = ops.prefill_block(
             buffer,
             plan.capacity.segment_offsets(),
@@ -135,6 +136,8 @@ def _prefill_block(plan: PrefillPagedPlan, device: torch.device, buffer: torch.T
             num_kv_heads=plan.num_kv_heads,
             grid_tiles=plan.capacity.max_tiles,
             cta_tile_q=plan.cta_tile_q,
+            workspace=workspace,
+            split_counters=counters,
         )
     return block
 
@@ -147,12 +150,15 @@ def batch_prefill_paged_window(
     device = q.device
     buffer = plan.device_buffer(device)  # uploaded once per plan update; stable address
     if torch.compiler.is_compiling():
+        workspace, counters = plan.split_kv_workspace(device) or (None, None)
         ops.prefill_hd256(
             q,
             pool,
             buffer,
             out,
             lse,
+            workspace,
+            counters,
             geometry.k_offset,
             geometry.v_offset,
             geometry.page_stride,

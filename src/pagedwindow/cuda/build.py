@@ -46,7 +46,14 @@ PACKAGE_KERNELS_DIR = Path(__file__).resolve().parents[1] / "kernels"
 """Where a (non-editable) install puts the sources: ``pagedwindow/kernels/``, package data of the wheel."""
 REPO_KERNELS_DIR = Path(__file__).resolve().parents[3] / "kernels"
 """The repository's ``kernels/``, the one copy of the sources (an editable install reads it directly)."""
-SOURCES = ("prefill_hd256.cu", "prefill_hd256_sm90.cu", "append_paged_kv.cu", "prepare_qkv.cu", "plan_pack.cpp")
+SOURCES = (
+    "prefill_hd256.cu",
+    "prefill_hd256_sm90.cu",
+    "decode_hd256.cu",
+    "append_paged_kv.cu",
+    "prepare_qkv.cu",
+    "plan_pack.cpp",
+)
 BASE_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", "-Xptxas=-v,--warn-on-spills")
 NVCC_ENVIRONMENT = tuple(s.name for s in settings.NVCC_VARIABLES)
 """Environment variables nvcc itself reads; they change what it builds, so they are part of the cache key."""

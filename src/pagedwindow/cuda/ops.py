@@ -56,6 +56,9 @@ class PrefillLaunch(ctypes.Structure):
         ("cta_tile_q", _i),
         ("window_left", _i),
         ("sm_scale", _f),
+        ("workspace", _p),
+        ("split_counters", _p),
+        ("workspace_units", _i),
     ]
 
 
@@ -219,11 +222,20 @@ def prefill_block(
     num_kv_heads: int,
     grid_tiles: int,
     cta_tile_q: int,
+    workspace: torch.Tensor | None = None,
+    split_counters: torch.Tensor | None = None,
 ) -> PrefillLaunch:
-    """A prefill parameter block with the plan's pointers and sizes filled (tensors and scalars come per call)."""
+    """A prefill parameter block with the plan's pointers and sizes filled (tensors and scalars come per call).
+    ``workspace [units * 16 * 257]`` fp32 and ``split_counters [units]`` int32 (zero): the plan's
+    ``split_kv_workspace``, with which the decode kernel (tile 16) splits a tile's keys into up to ``units`` runs;
+    without them it never splits."""
     base = plan_buffer.data_ptr()
     scalars, page_indptr, last, qo_indptr, requests, qo_tiles, pages = (base + 4 * o for o in segment_offsets)
+    units = 0 if workspace is None or split_counters is None else len(split_counters)
     return PrefillLaunch(
+        workspace=workspace.data_ptr() if units else None,
+        split_counters=split_counters.data_ptr() if units else None,
+        workspace_units=units,
         page_indices=pages,
         page_indptr=page_indptr,
         last_page_len=last,
@@ -399,13 +411,15 @@ def launch_prepare(
 # -- the same launches as custom ops (what torch.compile and torch.export see) -----------------------------------
 
 
-@torch.library.custom_op("pagedwindow::prefill_hd256", mutates_args=("out", "lse"))
+@torch.library.custom_op("pagedwindow::prefill_hd256", mutates_args=("out", "lse", "workspace", "split_counters"))
 def prefill_hd256(
     q: torch.Tensor,
     pool: torch.Tensor,
     plan_buffer: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor | None,
+    workspace: torch.Tensor | None,
+    split_counters: torch.Tensor | None,
     k_offset: int,
     v_offset: int,
     page_stride: int,
@@ -418,7 +432,8 @@ def prefill_hd256(
     sm_scale: float,
     window_left: int,
 ) -> None:
-    """Windowed paged prefill, bf16, head_dim 256. Inputs are validated by ``pagedwindow.api``."""
+    """Windowed paged prefill, bf16, head_dim 256. Inputs are validated by ``pagedwindow.api``. ``workspace`` and
+    ``split_counters`` are the decode kernel's (tile 16; None elsewhere)."""
     block = prefill_block(
         plan_buffer,
         segment_offsets,
@@ -427,6 +442,8 @@ def prefill_hd256(
         num_kv_heads=num_kv_heads,
         grid_tiles=grid_tiles,
         cta_tile_q=cta_tile_q,
+        workspace=workspace,
+        split_counters=split_counters,
     )
     launch_prefill(block, q, pool, out, lse, k_offset, v_offset, page_stride, sm_scale, window_left)
 
@@ -438,6 +455,8 @@ def _(
     plan_buffer,
     out,
     lse,
+    workspace,
+    split_counters,
     k_offset,
     v_offset,
     page_stride,

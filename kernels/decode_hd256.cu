@@ -1,0 +1,407 @@
+// pagedwindow: windowed paged attention for tiles of 16 packed query rows (decode and other short requests),
+// head_dim 256, bf16 in/out, split-KV. Both prefill launchers hand cta_tile_q 16 to this kernel.
+//
+// Semantics: those of prefill_hd256.cu (docs/design.md §2): query row j of request r sits at KV position
+// q_pos = kv_len_r - seq_r + j; key k is visible iff k <= q_pos and (window_left < 0 or q_pos - k <= window_left);
+// fp32 logits, softmax and accumulation; output cast once to bf16; optional natural-log LSE per (row, q head).
+//
+// Why a kernel of its own: a decode step is memory-bound (each K/V byte of the window is used by one token's
+// group of query heads), so what matters is reading every K/V byte once with enough bytes in flight, and
+// keeping every SM busy when batch x KV heads is small. A 64- or 128-row prefill tile computes 32-64x more padding
+// than a decode request has rows.
+//
+// Work: a unit is (tile, KV head, split). A tile's visible keys [kv_lo, kv_hi) are cut into `splits` equal runs of
+// 16-key steps; `splits` is uniform over the launch and chosen on the device from the live tile count, so a
+// captured CUDA graph stays right after an in-place plan update:
+//   items = num_tiles * num_kv_heads; splits = clamp(workspace_units / items, 1, kMaxSplits)
+// (a tile whose keys are too few for that many splits of kMinStepsPerSplit steps uses fewer). The grid is
+// persistent: CTA c runs units c, c + grid, ... A unit of an unsplit tile writes its rows to `out`; a split unit
+// writes its normalised partial rows and their log2-domain LSE to the workspace, then the last split of the tile
+// to finish (a counter per tile, reset by that split) merges them: out = sum_s w_s O_s / sum_s w_s with
+// w_s = exp2(lse_s - max lse).
+//
+// CTA = one warp (so 4 CTAs share an SM on H100/H200 and an SM never waits on a CTA-wide barrier). The warp
+// owns the tile's 16 packed rows (row r = token r / group, head-in-group r % group; rows past the tile's are zero
+// and never written) and streams its keys 16 at a time through kStages shared-memory stages of K and V filled by
+// cp.async (zero-filled outside [kv_lo, kv_hi), so no unowned slot is ever read). Per step: S = Q K^T
+// (16 x 16, mma.sync m16n8k16, Q re-read from shared memory), the boundary mask and online softmax of
+// online_softmax.cuh (kN = 2), O += P V (16 x 256). Shared memory rows are 512 bytes, 16-byte chunks
+// XOR-swizzled by (row & 7), as in prefill_hd256.cu.
+//
+// Plain CUDA C++, no torch headers. Targets: sm_80, sm_89, sm_90a.
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include <atomic>
+
+#include "online_softmax.cuh"  // the boundary mask and online-softmax step (16 rows x 8 kN keys)
+#include "prefill_launch.cuh"  // status codes, PwPrefillParams
+#include "ptx_common.cuh"      // cp.async, ldmatrix, mma.sync, bf16 packing
+
+namespace pw_decode {
+
+using namespace pw_ptx;
+using Params = PwPrefillParams;
+
+constexpr int kHeadDim = kPwPrefillHeadDim;
+constexpr int kRows = 16;                      // packed query rows of a tile (cta_tile_q)
+constexpr int kSteps = 16;                     // keys per step
+constexpr int kRowBytes = kHeadDim * 2;        // 512 bytes per bf16 row
+constexpr int kTileBytes = kRows * kRowBytes;  // 8 KiB: the Q tile, one step's K, one step's V
+constexpr int kStages = 3;                     // K/V steps a warp holds: kStages - 1 in flight while it computes one
+constexpr int kSmemBytes = (1 + 2 * kStages) * kTileBytes;  // Q | K[kStages] | V[kStages]: 56 KiB
+constexpr int kThreads = 32;
+constexpr int kMaxSplits = 64;        // splits of one tile's keys at most
+constexpr int kMinStepsPerSplit = 4;  // a split covers at least 64 keys (else the merge costs more than it saves)
+constexpr int kPartialFloats = kRows * kHeadDim;  // one unit's partial rows in the workspace
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr float kLn2 = 0.69314718055994530942f;
+
+// Byte offset of 16-byte chunk `chunk` (0..31) of row `row` in a swizzled 512-byte-row tile.
+__device__ __forceinline__ uint32_t swz(int row, int chunk) {
+  return static_cast<uint32_t>(row * kRowBytes + ((chunk ^ (row & 7)) << 4));
+}
+
+// What one tile reads and writes (uniform across the warp).
+struct Tile {
+  int qo_begin;                                  // the request's first token
+  int row0;                                      // first packed row of the tile
+  int rows;                                      // packed rows the tile owns (1..16)
+  int q_shift;                                   // q_pos = q_shift + token in the request
+  int page_base, kv_lo, kv_hi, kv_start, steps;  // keys [kv_lo, kv_hi); steps of 16 from kv_start
+};
+
+__device__ __forceinline__ Tile tile_geometry(const Params& p, int tile) {
+  Tile t;
+  const int req = p.request_indices[tile];
+  const int qtile = p.qo_tile_indices[tile];
+  t.qo_begin = p.qo_indptr[req];
+  const int seq = p.qo_indptr[req + 1] - t.qo_begin;
+  t.page_base = p.page_indptr[req];
+  const int kv_len = (p.page_indptr[req + 1] - t.page_base - 1) * p.page_size + p.last_page_len[req];
+  t.row0 = qtile * kRows;
+  t.rows = min(kRows, seq * p.group - t.row0);
+  t.q_shift = kv_len - seq;
+  const int qpos_first = t.q_shift + t.row0 / p.group;
+  const int qpos_last = t.q_shift + (t.row0 + max(t.rows, 1) - 1) / p.group;
+  t.kv_lo = p.window_left >= 0 ? max(qpos_first - p.window_left, 0) : 0;
+  t.kv_hi = min(qpos_last + 1, kv_len);
+  t.kv_start = t.kv_lo & ~(kSteps - 1);
+  t.steps = (t.rows > 0 && t.kv_hi > t.kv_start) ? (t.kv_hi - t.kv_start + kSteps - 1) / kSteps : 0;
+  return t;
+}
+
+// The (token, q head) a packed row of the tile stands for, as an element offset of its [256] row in q / out.
+__device__ __forceinline__ long long row_offset(const Params& p, const Tile& t, int kv_head, int r) {
+  const int pr = t.row0 + r;
+  const int tok = pr / p.group;
+  const int head = kv_head * p.group + (pr - tok * p.group);
+  return (static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head) * kHeadDim;
+}
+
+// Lane l < 16: the pool element offset of key kb + l's row for this KV head, or -1 outside [kv_lo, kv_hi).
+__device__ __forceinline__ long long key_offset(const Params& p, const Tile& t, int kv_head, int kb, int lane) {
+  const int key = kb + lane;
+  if (lane >= kSteps || key < t.kv_lo || key >= t.kv_hi) return -1;
+  const int pi = key / p.page_size;
+  const int slot = key - pi * p.page_size;
+  const int page = __ldg(p.page_indices + t.page_base + pi);
+  return static_cast<long long>(page) * p.page_stride +
+         static_cast<long long>(slot * p.num_kv_heads + kv_head) * kHeadDim;
+}
+
+// Copy one step's 16 K rows and 16 V rows (row offsets in lanes 0-15 of `off`); lane l copies chunk l of each.
+__device__ __forceinline__ void issue_step(const Params& p, long long off, uint32_t s_k, uint32_t s_v, int lane) {
+  const __nv_bfloat16* k_lane = p.pool + p.k_offset + lane * 8;
+  const __nv_bfloat16* v_lane = p.pool + p.v_offset + lane * 8;
+#pragma unroll
+  for (int r = 0; r < kSteps; ++r) {
+    const long long row = __shfl_sync(kFullMask, off, r);
+    const bool valid = row >= 0;
+    cp_async_16(s_k + swz(r, lane), valid ? static_cast<const void*>(k_lane + row) : p.pool, valid ? 16 : 0);
+    cp_async_16(s_v + swz(r, lane), valid ? static_cast<const void*>(v_lane + row) : p.pool, valid ? 16 : 0);
+  }
+}
+
+// Splits of each tile's keys this launch (uniform), from the live tile count.
+__device__ __forceinline__ int launch_splits(const Params& p, int items) {
+  if (p.workspace_units <= 0 || items <= 0) return 1;
+  return max(1, min(kMaxSplits, p.workspace_units / items));
+}
+
+// Merge the `splits` partials of workspace units [first, first + splits) into the tile's output rows.
+__device__ __forceinline__ void merge_splits(const Params& p, const Tile& t, int kv_head, int first, int splits,
+                                             int lane) {
+  const float* lse_base = p.workspace + static_cast<long long>(p.workspace_units) * kPartialFloats;
+  for (int r = 0; r < t.rows; ++r) {
+    float mx = -INFINITY;
+    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, __ldcg(lse_base + static_cast<long long>(first + s) * kRows + r));
+    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float total = 0.f;
+    if (mx != -INFINITY) {
+      for (int s = 0; s < splits; ++s) {
+        const float lse = __ldcg(lse_base + static_cast<long long>(first + s) * kRows + r);
+        const float w = fast_exp2(lse - mx);  // a split that saw none of the row's keys: exp2(-inf) = 0
+        const float4* src = reinterpret_cast<const float4*>(
+            p.workspace + static_cast<long long>(first + s) * kPartialFloats + r * kHeadDim + lane * 8);
+        const float4 a = __ldcg(src), b = __ldcg(src + 1);
+        acc[0] += w * a.x, acc[1] += w * a.y, acc[2] += w * a.z, acc[3] += w * a.w;
+        acc[4] += w * b.x, acc[5] += w * b.y, acc[6] += w * b.z, acc[7] += w * b.w;
+        total += w;
+      }
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    uint4 v;
+    v.x = pack_bf16x2(acc[0] * inv, acc[1] * inv);
+    v.y = pack_bf16x2(acc[2] * inv, acc[3] * inv);
+    v.z = pack_bf16x2(acc[4] * inv, acc[5] * inv);
+    v.w = pack_bf16x2(acc[6] * inv, acc[7] * inv);
+    const long long at = row_offset(p, t, kv_head, r);
+    *reinterpret_cast<uint4*>(p.out + at + lane * 8) = v;
+    if (p.lse != nullptr && lane == 0) p.lse[at / kHeadDim] = total > 0.f ? (mx + __log2f(total)) * kLn2 : -INFINITY;
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t sQ = smem_addr(smem);
+  const uint32_t sK = sQ + kTileBytes;
+  const uint32_t sV = sK + kStages * kTileBytes;
+  const int lane = threadIdx.x;
+
+  const int num_tiles = p.plan_scalars[2];
+  const int items = num_tiles * p.num_kv_heads;
+  const int splits = launch_splits(p, items);
+  const int units = items * splits;
+
+  // Per-lane fragment addressing (prefill_hd256.cu's, for one warp and 16-key steps).
+  const int g = lane >> 2;  // accumulator row (and g + 8)
+  const int c4 = lane & 3;  // accumulator column pair
+  const int l7 = lane & 7;
+  const int b3 = (lane >> 3) & 1;
+  const int b4 = (lane >> 4) & 1;
+  uint32_t q_off[4], k_off[4], v_off[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    q_off[i] = sQ + (lane & 15) * kRowBytes + (((2 * i) ^ (b4 ^ l7)) << 4);  // A: row lane & 15, chunk 2kk + b4
+    k_off[i] = (b4 * 8 + l7) * kRowBytes + (((2 * i) ^ (b3 ^ l7)) << 4);     // B: key 8 b4 + l7, chunk 2kk + b3
+    v_off[i] = (b3 * 8 + l7) * kRowBytes + (((2 * i) ^ (b4 ^ l7)) << 4);     // B (trans): key 8 b3 + l7
+  }
+  const float sl2 = p.scale_log2;
+
+  for (int u = blockIdx.x; u < units; u += gridDim.x) {
+    const int item = u / splits;
+    const int split = u - item * splits;
+    const int tile = item / p.num_kv_heads;
+    const int kv_head = item - tile * p.num_kv_heads;
+    const Tile t = tile_geometry(p, tile);
+    if (t.rows <= 0) continue;  // uniform: a tile past its request's rows (never laid out by a plan)
+    // This tile's splits: at most one per kMinStepsPerSplit steps; units of splits past that do nothing.
+    const int tile_splits = max(1, min(splits, t.steps / kMinStepsPerSplit));
+    if (split >= tile_splits) continue;
+    const int per = (t.steps + tile_splits - 1) / tile_splits;
+    const int j0 = min(t.steps, split * per);
+    const int n = min(t.steps, j0 + per) - j0;  // this unit's steps
+
+    // ---- Q (rows past the tile's zero-filled) and the first kStages - 1 steps
+#pragma unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      const bool valid = r < t.rows;
+      const void* src = valid ? static_cast<const void*>(p.q + row_offset(p, t, kv_head, r) + lane * 8) : p.q;
+      cp_async_16(sQ + swz(r, lane), src, valid ? 16 : 0);
+    }
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < n) {
+        const long long off = key_offset(p, t, kv_head, t.kv_start + (j0 + s) * kSteps, lane);
+        issue_step(p, off, sK + s * kTileBytes, sV + s * kTileBytes, lane);
+      }
+      cp_async_commit();
+    }
+    long long next_off =
+        kStages - 1 < n ? key_offset(p, t, kv_head, t.kv_start + (j0 + kStages - 1) * kSteps, lane) : -1;
+
+    // ---- per-thread rows g and g + 8: their KV positions and window edges
+    const int qp0 = t.q_shift + (t.row0 + g) / p.group;
+    const int qp1 = t.q_shift + (t.row0 + g + 8) / p.group;
+    const int wl = p.window_left;
+    const int lo0 = wl >= 0 ? qp0 - wl : 0;
+    const int lo1 = wl >= 0 ? qp1 - wl : 0;
+    const int qpos_first = t.q_shift + t.row0 / p.group;
+    const int qpos_last = t.q_shift + (t.row0 + t.rows - 1) / p.group;
+
+    float o[32][4];
+#pragma unroll
+    for (int d = 0; d < 32; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
+    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+
+    for (int i = 0; i < n; ++i) {
+      cp_async_wait<kStages - 2>();  // step i (and Q) landed
+      __syncwarp();                  // every lane's copies, and every lane is done with step i - 1's stage
+      {
+        const int ahead = i + kStages - 1;  // into the stage step i - 1 used
+        if (ahead < n) {
+          const int st = ahead % kStages;
+          issue_step(p, next_off, sK + st * kTileBytes, sV + st * kTileBytes, lane);
+          next_off = ahead + 1 < n ? key_offset(p, t, kv_head, t.kv_start + (j0 + ahead + 1) * kSteps, lane) : -1;
+        }
+        cp_async_commit();
+      }
+      const int kb = t.kv_start + (j0 + i) * kSteps;
+      const uint32_t kbuf = sK + (i % kStages) * kTileBytes;
+      const uint32_t vbuf = sV + (i % kStages) * kTileBytes;
+
+      // S = Q K^T: s[0] keys kb .. kb + 7, s[1] keys kb + 8 .. kb + 15
+      float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int kk = 0; kk < 16; ++kk) {
+        uint32_t a0, a1, a2, a3, k0, k1, k2, k3;
+        ldsm_x4(a0, a1, a2, a3, q_off[kk & 3] + (kk >> 2) * 128);
+        ldsm_x4(k0, k1, k2, k3, kbuf + k_off[kk & 3] + (kk >> 2) * 128);
+        mma_bf16_16816(s[0], a0, a1, a2, a3, k0, k1);
+        mma_bf16_16816(s[1], a0, a1, a2, a3, k2, k3);
+      }
+      auto at = [&](int nn, int e) -> float& { return s[nn][e]; };
+      const bool full = (kb + kSteps - 1 <= qpos_first) && (wl < 0 || kb >= qpos_last - wl) && kb >= t.kv_lo &&
+                        kb + kSteps <= t.kv_hi;
+      if (!full) pw_softmax::mask_tile<2>(at, kb, c4, lo0, qp0, lo1, qp1);
+      float alpha0, alpha1;
+      pw_softmax::softmax_step<2>(at, sl2, m0, m1, l0, l1, alpha0, alpha1);
+#pragma unroll
+      for (int d = 0; d < 32; ++d) {
+        o[d][0] *= alpha0;
+        o[d][1] *= alpha0;
+        o[d][2] *= alpha1;
+        o[d][3] *= alpha1;
+      }
+      const uint32_t p0 = pack_bf16x2(s[0][0], s[0][1]);  // row g,   keys 2c4, 2c4 + 1
+      const uint32_t p1 = pack_bf16x2(s[0][2], s[0][3]);  // row g+8, keys 2c4, 2c4 + 1
+      const uint32_t p2 = pack_bf16x2(s[1][0], s[1][1]);  // row g,   keys 8 + 2c4, 8 + 2c4 + 1
+      const uint32_t p3 = pack_bf16x2(s[1][2], s[1][3]);  // row g+8, keys 8 + 2c4, 8 + 2c4 + 1
+                                                          // O += P V: o[d] covers head dims 8d .. 8d + 7
+#pragma unroll
+      for (int dp = 0; dp < 16; ++dp) {
+        uint32_t v0, v1, v2, v3;
+        ldsm_x4_trans(v0, v1, v2, v3, vbuf + v_off[dp & 3] + (dp >> 2) * 128);
+        mma_bf16_16816(o[2 * dp], p0, p1, p2, p3, v0, v1);
+        mma_bf16_16816(o[2 * dp + 1], p0, p1, p2, p3, v2, v3);
+      }
+    }
+    cp_async_wait<0>();
+    __syncwarp();  // no copy still landing; every lane done with the stages and Q
+
+    l0 += __shfl_xor_sync(kFullMask, l0, 1);
+    l0 += __shfl_xor_sync(kFullMask, l0, 2);
+    l1 += __shfl_xor_sync(kFullMask, l1, 1);
+    l1 += __shfl_xor_sync(kFullMask, l1, 2);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
+    const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+
+    if (tile_splits == 1) {
+      // ---- the whole tile in this unit: stage the rows as bf16 in Q's place, copy out 16 B per lane
+#pragma unroll
+      for (int d = 0; d < 32; ++d) {
+        const uint32_t a = sQ + g * kRowBytes + ((d ^ g) << 4) + c4 * 4;  // (g & 7) == g
+        st_shared_b32(a, pack_bf16x2(o[d][0] * inv0, o[d][1] * inv0));
+        st_shared_b32(a + 8 * kRowBytes, pack_bf16x2(o[d][2] * inv1, o[d][3] * inv1));
+      }
+      __syncwarp();
+      if (p.lse != nullptr && c4 == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = g + 8 * h;
+          const float l = h ? l1 : l0;
+          const float m = h ? m1 : m0;
+          if (r < t.rows)
+            p.lse[row_offset(p, t, kv_head, r) / kHeadDim] = l > 0.f ? (m + __log2f(l)) * kLn2 : -INFINITY;
+        }
+      }
+      for (int r = 0; r < t.rows; ++r) {
+        const uint4 v = ld_shared_v4(sQ + swz(r, lane));
+        *reinterpret_cast<uint4*>(p.out + row_offset(p, t, kv_head, r) + lane * 8) = v;
+      }
+      __syncwarp();  // the next unit's Q copies land where these rows were staged
+      continue;
+    }
+
+    // ---- a split: normalised partial rows and their log2-domain LSE to the workspace
+    float* const part = p.workspace + static_cast<long long>(u) * kPartialFloats;
+    float* const part_lse =
+        p.workspace + static_cast<long long>(p.workspace_units) * kPartialFloats + static_cast<long long>(u) * kRows;
+#pragma unroll
+    for (int d = 0; d < 32; ++d) {
+      if (g < t.rows)
+        __stcg(reinterpret_cast<float2*>(part + g * kHeadDim + 8 * d + 2 * c4),
+               make_float2(o[d][0] * inv0, o[d][1] * inv0));
+      if (g + 8 < t.rows)
+        __stcg(reinterpret_cast<float2*>(part + (g + 8) * kHeadDim + 8 * d + 2 * c4),
+               make_float2(o[d][2] * inv1, o[d][3] * inv1));
+    }
+    if (c4 == 0) {
+      if (g < t.rows) __stcg(part_lse + g, l0 > 0.f ? m0 + __log2f(l0) : -INFINITY);
+      if (g + 8 < t.rows) __stcg(part_lse + g + 8, l1 > 0.f ? m1 + __log2f(l1) : -INFINITY);
+    }
+    __threadfence();  // the partial is visible device-wide before the counter says so
+    __syncwarp();
+    int arrived = 0;
+    if (lane == 0) arrived = atomicAdd(p.split_counters + item, 1);
+    arrived = __shfl_sync(kFullMask, arrived, 0);
+    if (arrived == tile_splits - 1) {  // the last split of this tile: every other partial is written
+      __threadfence();
+      merge_splits(p, t, kv_head, item * splits, tile_splits, lane);
+      if (lane == 0) p.split_counters[item] = 0;  // ready for the next launch (or graph replay)
+    }
+  }
+}
+
+constexpr int kMaxDevices = 64;
+
+// CTAs the device holds at once (SMs x CTAs per SM at this kernel's shared memory), once per device; the
+// dynamic shared-memory opt-in is set on the way.
+static int resident_ctas(int device, int* ctas) {
+  static std::atomic<int> cache[kMaxDevices];
+  if (device >= 0 && device < kMaxDevices) {
+    const int c = cache[device].load(std::memory_order_acquire);
+    if (c != 0) {
+      *ctas = c;
+      return 0;
+    }
+  }
+  int optin = 0, sms = 0, per_sm = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  if (optin < kSmemBytes) return PW_PREFILL_ERR_SMEM_UNAVAILABLE;
+  e = cudaFuncSetAttribute(pw_decode_hd256_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(pw_decode_hd256_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e == cudaSuccess)
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, pw_decode_hd256_kernel, kThreads, kSmemBytes);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  if (per_sm < 1) return PW_PREFILL_ERR_SMEM_UNAVAILABLE;
+  *ctas = sms * per_sm;
+  if (device >= 0 && device < kMaxDevices) cache[device].store(*ctas, std::memory_order_release);
+  return 0;
+}
+
+}  // namespace pw_decode
+
+// Launch the decode kernel for a checked parameter block (pw_prefill_prepare) on the current device:
+// a persistent grid of at most the CTAs the device holds, never more than the plan's units can use.
+int pw_decode_hd256_launch(const PwPrefillParams& p, int grid_tiles, cudaStream_t stream) {
+  using namespace pw_decode;
+  int device = 0, ctas = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return static_cast<int>(e);
+  const int rc = resident_ctas(device, &ctas);
+  if (rc != 0) return rc;
+  const long long most_units =
+      static_cast<long long>(grid_tiles) * p.num_kv_heads * (p.workspace_units > 0 ? kMaxSplits : 1);
+  const unsigned grid = static_cast<unsigned>(most_units < ctas ? most_units : ctas);
+  pw_decode_hd256_kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
+  return static_cast<int>(cudaGetLastError());
+}

@@ -70,6 +70,18 @@ def test_the_serving_workloads_shapes():
     assert {w.page_size for n, w in bench.WORKLOADS.items() if n != "decode_256x2000_p32"} == {16}
 
 
+def test_the_decode_sweep_covers_batch_length_and_window_within_its_memory_bound():
+    points = bench.decode_sweep_workloads()
+    assert len({w.name for w in points}) == len(points)
+    for w in points:
+        assert set(w.seq_lens) == {1} and len(set(w.kv_lens)) == 1
+        assert len(w.seq_lens) * w.kv_lens[0] <= bench.DECODE_SWEEP_MAX_KEYS
+    grid = {(len(w.seq_lens), w.kv_lens[0], w.window_left) for w in points}
+    assert {b for b, _, _ in grid} == {1, 16, 64, 256, 512} and {w for _, _, w in grid} == {1023, -1}
+    assert {kv for _, kv, _ in grid} == {1, 1024, 4096, 32768, 131072}
+    assert (1, 131072, -1) in grid and (512, 4096, 1023) in grid and (512, 32768, -1) not in grid
+
+
 @pytest.mark.parametrize("name", ["decode_256x2000_p32", "prefill_8x2048", "chunk_512_on_30000"])
 def test_paged_csr_encodes_each_requests_kv(name):
     w = bench.WORKLOADS[name]

@@ -365,6 +365,8 @@ def test_bench_prep_arguments(tmp_path, capsys, no_gpu):
     assert "unknown workload" in err and "prep_8192" in err
     assert "unknown system" in _usage_error(capsys, ["bench", "--prep", "--out", out, "--systems", "flashinfer_fa3"])
     assert "--sweep cannot be used with --prep" in _usage_error(capsys, ["bench", "--prep", "--sweep", "--out", out])
+    err = _usage_error(capsys, ["bench", "--prep", "--decode-sweep", "--out", out])
+    assert "--decode-sweep cannot be used with --prep" in err
     assert "--cta-tile-q" in _usage_error(capsys, ["bench", "--prep", "--cta-tile-q", "64", "--out", out])
     assert "--label" in _usage_error(capsys, ["bench", "--prep", "--label", "a/b", "--out", out])
     argv = ["bench", "--prep", "--out", out, "--workloads", "prep_8192", "--systems", "pagedwindow", "flashinfer"]

@@ -110,6 +110,27 @@ def sweep_workloads() -> list[Workload]:
     return out
 
 
+DECODE_SWEEP_BATCHES = (1, 16, 64, 256, 512)
+DECODE_SWEEP_KV_LENS = (1, 1024, 4096, 32768, 131072)
+DECODE_SWEEP_WINDOWS = (1023, -1)
+DECODE_SWEEP_MAX_KEYS = 1 << 21
+"""Cached keys of one decode-sweep batch at most (16 GiB of bf16 K/V at Hkv 8): the bench holds its input sets
+and FlashInfer's contiguous K and V copies of each, so larger batches do not fit on an H200."""
+
+
+def decode_sweep_workloads() -> list[Workload]:
+    """Decode steps (one new token per request) over batch size, cached length and window: every
+    ``DECODE_SWEEP_BATCHES`` x ``DECODE_SWEEP_KV_LENS`` point whose batch holds at most ``DECODE_SWEEP_MAX_KEYS``
+    keys, at each of ``DECODE_SWEEP_WINDOWS``."""
+    return [
+        Workload(f"decode_b{batch}_kv{kv}_w{window}", (1,) * batch, (kv - 1,) * batch, window)
+        for window in DECODE_SWEEP_WINDOWS
+        for batch in DECODE_SWEEP_BATCHES
+        for kv in DECODE_SWEEP_KV_LENS
+        if batch * kv <= DECODE_SWEEP_MAX_KEYS
+    ]
+
+
 def gpu_slug(name: str) -> str:
     """A file-name slug of a GPU's name: lower-case, the vendor dropped, other characters to '-'.
 
@@ -487,9 +508,19 @@ def _time_system(
 
 
 def run_bench(
-    out="benchmarks/results", workloads=None, systems=None, sweep=False, quick=False, cta_tile_q=None, label=None
+    out="benchmarks/results",
+    workloads=None,
+    systems=None,
+    sweep=False,
+    quick=False,
+    cta_tile_q=None,
+    label=None,
+    decode_sweep=False,
 ) -> int:
     """Measure, print a table, write ``<gpu-slug>-<date>[-label].json`` / ``.md`` into ``out``; an exit code.
+
+    ``sweep`` adds :func:`sweep_workloads`, ``decode_sweep`` :func:`decode_sweep_workloads` (with no
+    ``workloads`` named, a decode sweep runs alone).
 
     ``cta_tile_q`` overrides the plans' tile (all systems see the same batch; only pagedwindow reads the tile).
     """
@@ -504,9 +535,11 @@ def run_bench(
         print("pagedwindow bench needs a CUDA GPU; none is available.")
         return 2
     device = torch.device("cuda")
-    chosen = [WORKLOADS[n] for n in (workloads or WORKLOADS)]
+    chosen = [WORKLOADS[n] for n in (workloads or (() if decode_sweep else WORKLOADS))]
     if sweep:
         chosen += sweep_workloads()
+    if decode_sweep:
+        chosen += decode_sweep_workloads()
     systems = list(systems or SYSTEMS)
     reps, sets, loops = (10, 2, 3) if quick else (50, 3, 5)
     peak = gemm_tflops(device)

@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--workloads", nargs="*", default=None, help="workload names (default: all)")
     bench.add_argument("--systems", nargs="*", default=None, help="systems to time (default: all)")
     bench.add_argument("--sweep", action="store_true", help="also sweep kv length and window")
+    bench.add_argument(
+        "--decode-sweep",
+        action="store_true",
+        help="sweep decode steps over batch (1-512), cached length (1-128k) and window (1023, none); alone unless "
+        "--workloads names others too",
+    )
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     bench.add_argument(
         "--cta-tile-q",
@@ -110,7 +116,11 @@ def bench(args: argparse.Namespace) -> int:
         from .bench_prep import PREP_MAKERS, PREP_WORKLOADS
 
         workloads, systems = PREP_WORKLOADS, PREP_MAKERS
-        given_flags = (("--sweep", args.sweep), ("--cta-tile-q", args.cta_tile_q is not None))
+        given_flags = (
+            ("--sweep", args.sweep),
+            ("--decode-sweep", args.decode_sweep),
+            ("--cta-tile-q", args.cta_tile_q is not None),
+        )
         refused = [flag for flag, given in given_flags if given]
         if refused:
             print(f"pagedwindow bench: {' and '.join(refused)} cannot be used with --prep", file=sys.stderr)
@@ -148,6 +158,7 @@ def bench(args: argparse.Namespace) -> int:
         quick=args.quick,
         cta_tile_q=args.cta_tile_q,
         label=args.label,
+        decode_sweep=args.decode_sweep,
     )
 
 

@@ -51,11 +51,14 @@ constexpr int kRows = 16;                      // packed query rows of a tile (c
 constexpr int kSteps = 16;                     // keys per step
 constexpr int kRowBytes = kHeadDim * 2;        // 512 bytes per bf16 row
 constexpr int kTileBytes = kRows * kRowBytes;  // 8 KiB: the Q tile, one step's K, one step's V
-constexpr int kStages = 3;                     // K/V steps a warp holds: kStages - 1 in flight while it computes one
-constexpr int kSmemBytes = (1 + 2 * kStages) * kTileBytes;  // Q | K[kStages] | V[kStages]: 56 KiB
+#ifndef PW_DECODE_STAGES
+#define PW_DECODE_STAGES 3
+#endif
+constexpr int kStages = PW_DECODE_STAGES;  // K/V steps a warp holds: kStages - 1 in flight while it computes one
+constexpr int kSmemBytes = (1 + 2 * kStages) * kTileBytes;  // Q | K[kStages] | V[kStages]: 56 KiB at 3 stages
 constexpr int kThreads = 32;
 constexpr int kMaxSplits = 64;        // splits of one tile's keys at most
-constexpr int kMinStepsPerSplit = 4;  // a split covers at least 64 keys (else the merge costs more than it saves)
+constexpr int kMinStepsPerSplit = 2;  // a split covers at least 32 keys (else the merge costs more than it saves)
 constexpr int kPartialFloats = kRows * kHeadDim;  // one unit's partial rows in the workspace
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLn2 = 0.69314718055994530942f;
@@ -132,26 +135,36 @@ __device__ __forceinline__ int launch_splits(const Params& p, int items) {
   return max(1, min(kMaxSplits, p.workspace_units / items));
 }
 
-// Merge the `splits` partials of workspace units [first, first + splits) into the tile's output rows.
+// Merge the `splits` (<= kMaxSplits) partials of workspace units [first, first + splits) into the tile's output
+// rows. Per row: lanes s and s + 32 hold split s's and s + 32's LSE and weight (a warp-wide max and sum, no
+// serial chain through L2), then each lane sums its 8 columns over the splits, 8 splits' loads in flight at once.
+// The order of the sum is fixed, so the result does not depend on which split finished last.
 __device__ __forceinline__ void merge_splits(const Params& p, const Tile& t, int kv_head, int first, int splits,
                                              int lane) {
+  static_assert(kMaxSplits <= 64, "two splits per lane");
   const float* lse_base = p.workspace + static_cast<long long>(p.workspace_units) * kPartialFloats;
   for (int r = 0; r < t.rows; ++r) {
-    float mx = -INFINITY;
-    for (int s = 0; s < splits; ++s) mx = fmaxf(mx, __ldcg(lse_base + static_cast<long long>(first + s) * kRows + r));
+    const float lse_a = lane < splits ? __ldcg(lse_base + static_cast<long long>(first + lane) * kRows + r) : -INFINITY;
+    const float lse_b =
+        lane + 32 < splits ? __ldcg(lse_base + static_cast<long long>(first + lane + 32) * kRows + r) : -INFINITY;
+    float mx = fmaxf(lse_a, lse_b);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, o));
+    // A split that saw none of the row's keys has LSE -inf: weight exp2(-inf) = 0. No key at all: mx = -inf.
+    const float w_a = mx == -INFINITY ? 0.f : fast_exp2(lse_a - mx);
+    const float w_b = mx == -INFINITY ? 0.f : fast_exp2(lse_b - mx);
+    float total = w_a + w_b;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(kFullMask, total, o);
     float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    float total = 0.f;
-    if (mx != -INFINITY) {
-      for (int s = 0; s < splits; ++s) {
-        const float lse = __ldcg(lse_base + static_cast<long long>(first + s) * kRows + r);
-        const float w = fast_exp2(lse - mx);  // a split that saw none of the row's keys: exp2(-inf) = 0
-        const float4* src = reinterpret_cast<const float4*>(
-            p.workspace + static_cast<long long>(first + s) * kPartialFloats + r * kHeadDim + lane * 8);
-        const float4 a = __ldcg(src), b = __ldcg(src + 1);
-        acc[0] += w * a.x, acc[1] += w * a.y, acc[2] += w * a.z, acc[3] += w * a.w;
-        acc[4] += w * b.x, acc[5] += w * b.y, acc[6] += w * b.z, acc[7] += w * b.w;
-        total += w;
-      }
+    const float* col = p.workspace + static_cast<long long>(first) * kPartialFloats + r * kHeadDim + lane * 8;
+#pragma unroll 8
+    for (int s = 0; s < splits; ++s) {
+      const float w = __shfl_sync(kFullMask, s < 32 ? w_a : w_b, s & 31);
+      const float4* src = reinterpret_cast<const float4*>(col + static_cast<long long>(s) * kPartialFloats);
+      const float4 a = __ldcg(src), b = __ldcg(src + 1);
+      acc[0] += w * a.x, acc[1] += w * a.y, acc[2] += w * a.z, acc[3] += w * a.w;
+      acc[4] += w * b.x, acc[5] += w * b.y, acc[6] += w * b.z, acc[7] += w * b.w;
     }
     const float inv = total > 0.f ? 1.f / total : 0.f;
     uint4 v;

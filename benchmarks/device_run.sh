@@ -11,6 +11,8 @@
 # PREP_BENCH_ARGS its flags (e.g. "--quick" or "--workloads prep_8192"); its <gpu>-<date>-prep.json/.md/-bandwidth.png
 # land in $OUT. Only the prep: SKIP_MMA_SYNC_SUITE=1 SKIP_MEMCHECK=1 SKIP_BENCH=1 SKIP_HOST_COST=1 PREP_BENCH=1
 # bash benchmarks/device_run.sh tests/test_bench_prep.py (the suite step then runs that file's GPU test only).
+# DECODE_SWEEP=1 adds a last step: `bench --decode-sweep --quick` (DECODE_SWEEP_ARGS its flags, e.g. "--systems
+# pagedwindow flashinfer_fa2"), its <gpu>-<date>-decode-sweep.json/.md in $OUT.
 # Results: $OUT/log.txt, the main bench's JSON/MD, <gpu>-<date>-host-cost.json (named like the bench's files, after
 # the GPU present), and every bench file in $OUT/bench.tar.gz.
 set -uo pipefail
@@ -104,6 +106,17 @@ if [ "${SKIP_HOST_COST:-0}" != 1 ]; then
   host="rc=${PIPESTATUS[0]}"
 fi
 t5=$(date +%s)
+sweep="skipped"
+if [ "${DECODE_SWEEP:-0}" = 1 ]; then
+  SWEEP_DIR=/tmp/pw-bench-decode-sweep
+  mkdir -p $SWEEP_DIR
+  step "python3 -m pagedwindow.cli bench --decode-sweep --quick --label decode-sweep ${DECODE_SWEEP_ARGS:-}"
+  python3 -m pagedwindow.cli bench --decode-sweep --quick --label decode-sweep --out $SWEEP_DIR \
+    ${DECODE_SWEEP_ARGS:-} 2>&1 | tee -a "$LOG" | grep -E "^ *decode_b" | tail -100
+  sweep="rc=${PIPESTATUS[0]}"
+  cp $SWEEP_DIR/*-decode-sweep* "$OUT"/ 2>/dev/null
+fi
+t6=$(date +%s)
 echo
 echo "| step | result | seconds |"
 echo "|---|---|---|"
@@ -113,3 +126,4 @@ echo "| memcheck + error table | $memcheck | $((t3 - t2)) |"
 echo "| bench | $bench | $((t4 - t3)) |"
 [ "${PREP_BENCH:-0}" = 1 ] && echo "| prep bench | $prep | $((t4p - t4)) |"
 echo "| host cost | $host | $((t5 - t4p)) |"
+[ "${DECODE_SWEEP:-0}" = 1 ] && echo "| decode sweep | $sweep | $((t6 - t5)) |"

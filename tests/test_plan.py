@@ -147,6 +147,18 @@ def test_preallocated_fixes_its_tile_from_capacity():
         pw.PrefillPagedPlan.preallocated(max_total_tokens=8, max_total_pages=4, max_batch=2, max_tiles=2, cta_tile_q=32)
 
 
+def test_split_kv_workspace_is_a_tile_16_plans_on_a_gpu_only():
+    decode = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=32, max_total_pages=64, max_batch=32, max_tiles=64, device="cpu"
+    )
+    with pytest.raises(pw.PagedWindowError, match="never filled"):
+        decode.split_kv_workspace("cpu")  # no launch of an unfilled plan
+    decode.update(**GOOD, **HEADS)
+    assert decode.cta_tile_q == 16 and decode.split_kv_workspace("cpu") is None  # the CPU backend never splits
+    prefill = pw.PrefillPagedPlan.batch(**GOOD, **HEADS, cta_tile_q=64)
+    assert prefill.split_kv_workspace("cpu") is None
+
+
 def test_update_keeps_the_fixed_tile_and_refuses_another():
     plan = pw.PrefillPagedPlan.preallocated(
         max_total_tokens=64, max_total_pages=16, max_batch=4, max_tiles=16, cta_tile_q=64, device="cpu"

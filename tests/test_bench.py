@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import pagedwindow as pw
-from pagedwindow import bench
+from pagedwindow import bench, bench_sweep
 from pagedwindow.measure import bench_results
 
 HAS_FROM_CSR = hasattr(pw.PrefillPagedPlan, "from_csr")
@@ -71,15 +71,92 @@ def test_the_serving_workloads_shapes():
 
 
 def test_the_decode_sweep_covers_batch_length_and_window_within_its_memory_bound():
-    points = bench.decode_sweep_workloads()
+    points = bench.sweep_workloads(decode_only=True)
     assert len({w.name for w in points}) == len(points)
     for w in points:
         assert set(w.seq_lens) == {1} and len(set(w.kv_lens)) == 1
-        assert len(w.seq_lens) * w.kv_lens[0] <= bench.DECODE_SWEEP_MAX_KEYS
+        assert len(w.seq_lens) * w.kv_lens[0] <= bench_sweep.MAX_SWEEP_KEYS
     grid = {(len(w.seq_lens), w.kv_lens[0], w.window_left) for w in points}
     assert {b for b, _, _ in grid} == {1, 16, 64, 256, 512} and {w for _, _, w in grid} == {1023, -1}
     assert {kv for _, kv, _ in grid} == {1, 1024, 4096, 32768, 131072}
     assert (1, 131072, -1) in grid and (512, 4096, 1023) in grid and (512, 32768, -1) not in grid
+    assert "decode_b64_kv4096_w1023" in {w.name for w in points}  # the names results since 2026-12-04 carry
+
+
+def test_the_sweep_spans_every_axis_the_bench_promises():
+    points = bench.sweep_workloads()
+    names = [w.name for w in points]
+    assert len(set(names)) == len(names) and set(bench.sweep_workloads(decode_only=True)) <= set(points)
+    assert {len(w.seq_lens) for w in points} >= {1, 4, 16, 64, 256, 512}
+    assert {w.seq_lens[0] for w in points} >= {1, 16, 128, 1024, 4096, 32768}
+    assert {w.start_positions[0] for w in points} >= {0, 1024, 8192, 32768, 131072}
+    assert {w.page_size for w in points} == {1, 16, 32, 64, 128}
+    assert {w.window_left for w in points} == {0, 255, 1023, -1}
+    for w in points:  # every point within the memory bounds, identical requests
+        assert len(set(w.seq_lens)) == 1 and len(set(w.start_positions)) == 1
+        assert sum(w.seq_lens) <= bench_sweep.MAX_SWEEP_TOKENS and sum(w.kv_lens) <= bench_sweep.MAX_SWEEP_KEYS
+    page = next(s for s in bench_sweep.sweep_slices() if s.name == "page_x_shape")
+    assert {(p.x, p.y) for p in page.points} == {
+        (ps, shape) for ps in (1, 16, 32, 64, 128) for shape in bench_sweep.PAGE_SHAPES
+    }
+
+
+def _sweep_records(times):
+    """Records of ``{(workload, system): ms}``, as run_bench makes them."""
+    records = []
+    for (workload, system), ms in times.items():
+        record = bench.new_record(system, workload)
+        record["ms"] = ms
+        records.append(record)
+    return records
+
+
+def test_sweep_summary_gives_each_point_its_speedup_over_flashinfers_best():
+    slices = bench_sweep.sweep_slices(decode_only=True)
+    a, b, c = (p.name for p in slices[0].points[:3])
+    records = _sweep_records(
+        {
+            (a, "pagedwindow"): 0.010,
+            (a, "flashinfer_fa2"): 0.013,
+            (a, "flashinfer_fa3"): 0.020,
+            (b, "pagedwindow"): 0.020,
+            (b, "flashinfer_fa3"): 0.016,
+            (c, "pagedwindow"): None,  # a failed run: listed, no speed-up
+            (c, "flashinfer_fa2"): 0.1,
+        }
+    )
+    rows = bench_sweep.sweep_summary(records, slices)
+    assert [r["workload"] for r in rows] == [a, b, c]  # points that did not run are left out
+    assert rows[0]["flashinfer_best"] == "flashinfer_fa2" and rows[0]["speedup"] == pytest.approx(1.3)
+    assert rows[1]["flashinfer_best"] == "flashinfer_fa3" and rows[1]["speedup"] == pytest.approx(0.8)
+    assert rows[2]["speedup"] is None and rows[2]["flashinfer_best_ms"] == 0.1
+    assert rows[0]["slice"] == "decode_w1023" and (rows[0]["x_axis"], rows[0]["y_axis"]) == ("kv_len", "batch")
+    assert [r["workload"] for r in bench_sweep.slower_points(rows)] == [b]
+
+
+def test_sweep_table_lists_every_slower_point_and_the_heat_maps_draw(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from pagedwindow.viz.bench_plots import plot_sweep
+
+    slices = bench_sweep.sweep_slices()
+    times = {}
+    for s in slices:
+        for i, p in enumerate(s.points):
+            times[(p.name, "pagedwindow")] = 1.0
+            if i % 5:  # every fifth point without a peer: n/a in the map
+                times[(p.name, "flashinfer_fa2")] = 0.9 if i % 7 == 0 else 1.2
+    records = _sweep_records(times)
+    result = {"gpu": "NVIDIA H200", "peak_bf16_tflops": 800.0, "records": records}
+    result["sweep"] = bench_sweep.sweep_summary(records, slices)
+    table = bench.markdown_table(result)
+    slower = bench_sweep.slower_points(result["sweep"])
+    assert slower and f"slower than FlashInfer's best (kernel time) at {len(slower)}:" in table
+    assert all(f"- {r['workload']}: 0.90×" in table for r in slower)
+    fig = plot_sweep(result["sweep"])
+    assert len([ax for ax in fig.axes if ax.get_visible() and ax.images]) == len(slices)
+    fig.savefig(tmp_path / "sweep.png")
 
 
 @pytest.mark.parametrize("name", ["decode_256x2000_p32", "prefill_8x2048", "chunk_512_on_30000"])

@@ -31,6 +31,7 @@ import torch
 
 import pagedwindow as pw
 
+from .bench_sweep import SweepPoint, slower_points, sweep_slices, sweep_summary
 from .measure.bench_results import FLASHINFER_SYSTEMS, SYSTEMS, flashinfer_ratios
 from .semantics import key_visible
 from .testing import pages_in_turn, random_pages
@@ -101,34 +102,20 @@ SWEEP_SYSTEMS = ("pagedwindow", "flashinfer_fa2", "flashinfer_fa3")
 """Sweep points time the paged kernels only (flex recompiles per shape; SDPA's dense mask grows as kv²)."""
 
 
-def sweep_workloads() -> list[Workload]:
-    """Single-request prefill over kv length and window."""
-    out = []
-    for kv in (1024, 4096, 16384):
-        for window in (255, 1023, -1):
-            out.append(Workload(f"sweep_kv{kv}_w{window}", (kv,), (0,), window))
-    return out
+def sweep_workload(point: SweepPoint) -> Workload:
+    """The workload of one sweep point: ``point.batch`` identical requests."""
+    return Workload(
+        point.name,
+        (point.new_tokens,) * point.batch,
+        (point.cached,) * point.batch,
+        point.window_left,
+        point.page_size,
+    )
 
 
-DECODE_SWEEP_BATCHES = (1, 16, 64, 256, 512)
-DECODE_SWEEP_KV_LENS = (1, 1024, 4096, 32768, 131072)
-DECODE_SWEEP_WINDOWS = (1023, -1)
-DECODE_SWEEP_MAX_KEYS = 1 << 21
-"""Cached keys of one decode-sweep batch at most (16 GiB of bf16 K/V at Hkv 8): the bench holds its input sets
-and FlashInfer's contiguous K and V copies of each, so larger batches do not fit on an H200."""
-
-
-def decode_sweep_workloads() -> list[Workload]:
-    """Decode steps (one new token per request) over batch size, cached length and window: every
-    ``DECODE_SWEEP_BATCHES`` x ``DECODE_SWEEP_KV_LENS`` point whose batch holds at most ``DECODE_SWEEP_MAX_KEYS``
-    keys, at each of ``DECODE_SWEEP_WINDOWS``."""
-    return [
-        Workload(f"decode_b{batch}_kv{kv}_w{window}", (1,) * batch, (kv - 1,) * batch, window)
-        for window in DECODE_SWEEP_WINDOWS
-        for batch in DECODE_SWEEP_BATCHES
-        for kv in DECODE_SWEEP_KV_LENS
-        if batch * kv <= DECODE_SWEEP_MAX_KEYS
-    ]
+def sweep_workloads(*, decode_only: bool = False) -> list[Workload]:
+    """Every point of :func:`bench_sweep.sweep_slices` as a workload, slice by slice."""
+    return [sweep_workload(p) for s in sweep_slices(decode_only=decode_only) for p in s.points]
 
 
 def gpu_slug(name: str) -> str:
@@ -519,8 +506,9 @@ def run_bench(
 ) -> int:
     """Measure, print a table, write ``<gpu-slug>-<date>[-label].json`` / ``.md`` into ``out``; an exit code.
 
-    ``sweep`` adds :func:`sweep_workloads`, ``decode_sweep`` :func:`decode_sweep_workloads` (with no
-    ``workloads`` named, a decode sweep runs alone).
+    ``sweep`` adds every sweep point (:mod:`pagedwindow.bench_sweep`), ``decode_sweep`` the decode slices' (with
+    no ``workloads`` named, a sweep runs alone); the result then holds ``"sweep"``, each point's speed-up over
+    FlashInfer's best, drawn as heat maps into ``<stem>-sweep.png``.
 
     ``cta_tile_q`` overrides the plans' tile (all systems see the same batch; only pagedwindow reads the tile).
     """
@@ -535,11 +523,9 @@ def run_bench(
         print("pagedwindow bench needs a CUDA GPU; none is available.")
         return 2
     device = torch.device("cuda")
-    chosen = [WORKLOADS[n] for n in (workloads or (() if decode_sweep else WORKLOADS))]
-    if sweep:
-        chosen += sweep_workloads()
-    if decode_sweep:
-        chosen += decode_sweep_workloads()
+    chosen = [WORKLOADS[n] for n in (workloads or (() if sweep or decode_sweep else WORKLOADS))]
+    slices = sweep_slices(decode_only=not sweep) if sweep or decode_sweep else []
+    chosen += [sweep_workload(p) for s in slices for p in s.points]
     systems = list(systems or SYSTEMS)
     reps, sets, loops = (10, 2, 3) if quick else (50, 3, 5)
     peak = gemm_tflops(device)
@@ -584,6 +570,8 @@ def run_bench(
         "allocations_per_10_calls": allocations,
         "records": records,
     }
+    if slices:
+        result["sweep"] = sweep_summary(records, slices)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     stem = result_stem(result["gpu"], result["date"], label)
@@ -597,16 +585,19 @@ def run_bench(
 
 
 def write_plots(path: Path) -> None:
-    """Throughput and speed-up PNGs beside the results JSON."""
+    """Throughput and speed-up PNGs beside the results JSON, and the sweep's heat maps when it holds a sweep."""
     import matplotlib
 
     matplotlib.use("Agg")
     from .measure.bench_results import load_results
-    from .viz.bench_plots import plot_speedup, plot_throughput
+    from .viz.bench_plots import plot_speedup, plot_sweep, plot_throughput
 
     results = load_results(path)
     for name, plot in (("throughput", plot_throughput), ("speedup", plot_speedup)):
         plot(results).savefig(path.with_name(f"{path.stem}-{name}.png"), dpi=120)
+    sweep = json.loads(path.read_text()).get("sweep")
+    if sweep:
+        plot_sweep(sweep).savefig(path.with_name(f"{path.stem}-sweep.png"), dpi=120)
 
 
 def _num(value, spec: str, suffix: str = "") -> str:
@@ -667,6 +658,21 @@ def markdown_table(result: dict) -> str:
     ]
     if tiles:
         lines += ["", "pagedwindow's plan tile (cta_tile_q): " + ", ".join(tiles)]
+    sweep = result.get("sweep") or []
+    if sweep:
+        timed_points = [r for r in sweep if r["speedup"] is not None]
+        slower = slower_points(sweep)
+        lines += [
+            "",
+            f"Sweep: {len(sweep)} points in {len({r['slice'] for r in sweep})} slices, {len(timed_points)} timed "
+            f"beside FlashInfer; pagedwindow slower than FlashInfer's best (kernel time) at {len(slower)}"
+            + (":" if slower else "."),
+        ]
+        lines += [
+            f"- {r['workload']}: {r['speedup']:.2f}× ({r['pagedwindow_ms']:.4f} ms against "
+            f"{r['flashinfer_best'].removeprefix('flashinfer_')} {r['flashinfer_best_ms']:.4f} ms)"
+            for r in slower
+        ]
     allocations = result.get("allocations_per_10_calls") or {}
     if allocations:
         lines += [

@@ -50,12 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--workloads", nargs="*", default=None, help="workload names (default: all)")
     bench.add_argument("--systems", nargs="*", default=None, help="systems to time (default: all)")
-    bench.add_argument("--sweep", action="store_true", help="also sweep kv length and window")
+    bench.add_argument(
+        "--sweep",
+        action="store_true",
+        help="time the sweep (batch 1-512, new tokens 1-32k, cached 0-128k, page sizes 1-128, windows 0/255/1023/"
+        "none; the paged kernels only): each point's speed-up over FlashInfer's best into the JSON and "
+        "<stem>-sweep.png; alone unless --workloads names others too",
+    )
     bench.add_argument(
         "--decode-sweep",
         action="store_true",
-        help="sweep decode steps over batch (1-512), cached length (1-128k) and window (1023, none); alone unless "
-        "--workloads names others too",
+        help="the sweep's decode slices only (batch 1-512, cached length 1-128k, window 1023 / none)",
     )
     bench.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     bench.add_argument(

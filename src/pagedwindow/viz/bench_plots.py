@@ -159,3 +159,46 @@ def plot_prep_bandwidth(result: dict):
     ax.set_title(f"Gemma prep: norms, RoPE, paged K/V write — {result['gpu']}, {result.get('date', '')}", fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def plot_sweep(sweep: list[dict]):
+    """One heat map per sweep slice (a results JSON's ``"sweep"`` rows): pagedwindow's speed-up over FlashInfer's
+    best at each point, coloured on a log2 scale centred on parity (red: slower, blue: faster) and labelled with
+    its value; grey ``n/a`` where a time is missing."""
+    from matplotlib.colors import TwoSlopeNorm
+
+    from ..bench_sweep import AXIS_LABELS
+
+    slices = list(dict.fromkeys(r["slice"] for r in sweep))
+    cols = min(3, max(1, len(slices)))
+    rows_n = -(-len(slices) // cols)
+    fig, axes = new_figure(cols, rows_n, width=4.6, height=3.4, layout="constrained")
+    norm = TwoSlopeNorm(vcenter=0.0, vmin=-1.0, vmax=1.0)  # log2 of the speed-up: 0.5x .. 2x
+    image = None
+    for ax, name in zip(axes, slices):
+        rows = [r for r in sweep if r["slice"] == name]
+        xs = list(dict.fromkeys(r["x"] for r in rows))
+        ys = list(dict.fromkeys(r["y"] for r in rows))
+        grid = [[math.nan] * len(xs) for _ in ys]
+        for r in rows:
+            i, j = ys.index(r["y"]), xs.index(r["x"])
+            speedup = r["speedup"]
+            if speedup is None:
+                ax.text(j, i, "n/a", ha="center", va="center", fontsize=6, color="grey")
+                continue
+            grid[i][j] = math.log2(speedup)
+            ax.text(j, i, f"{speedup:.2f}", ha="center", va="center", fontsize=6)
+        image = ax.imshow(grid, cmap="RdBu", norm=norm, aspect="auto", origin="lower")
+        ax.set_xticks(range(len(xs)))
+        ax.set_xticklabels([str(x) for x in xs], fontsize=6, rotation=30)
+        ax.set_yticks(range(len(ys)))
+        ax.set_yticklabels([str(y) for y in ys], fontsize=6)
+        ax.set_xlabel(AXIS_LABELS.get(rows[0]["x_axis"], rows[0]["x_axis"]), fontsize=7)
+        ax.set_ylabel(AXIS_LABELS.get(rows[0]["y_axis"], rows[0]["y_axis"]), fontsize=7)
+        ax.set_title(name, fontsize=8)
+    for ax in axes[len(slices) :]:
+        ax.set_visible(False)
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.6, label="log2(FlashInfer best ms / pagedwindow ms)")
+    fig.suptitle("Sweep: pagedwindow kernel speed-up over FlashInfer's best backend timed, same run", fontsize=9)
+    return fig

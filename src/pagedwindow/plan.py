@@ -1218,7 +1218,8 @@ class PrefillPagedPlan:
         ``(partials [units * 16 * (head_dim + 1)] fp32, counters [units] int32, zero between launches)``, made
         with the plan's device buffer and kept at fixed addresses for the plan's life (a captured launch reads
         them after every update). None for other tiles and on the CPU. A unit holds one split's 16 partial rows
-        and their 16 log-sum-exps; ``units`` is ``SPLIT_KV_UNITS_PER_SM`` per SM."""
+        and their 16 log-sum-exps; ``units`` is ``SPLIT_KV_UNITS_PER_SM`` per SM. The kernels' scratch: writing it
+        (the counters above all) corrupts the plan's next launches."""
         split_floats = _split_kv_unit_floats(self._require())
         if not split_floats:
             return None

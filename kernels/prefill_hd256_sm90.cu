@@ -61,6 +61,7 @@
 #include "online_softmax.cuh"  // mask + online-softmax step shared with prefill_hd256.cu
 #include "ptx_common.cuh"      // PTX helpers both prefill kernels use
 #include "sm90_ptx.cuh"        // sm_90 PTX: mbarriers, bulk copies, named barriers, setmaxnreg, wgmma
+#include "sm90_config.cuh"     // shapes, thread roles, named barriers, the shared-memory map and swizzle
 
 
 namespace pw_prefill_sm90 {
@@ -68,55 +69,7 @@ namespace pw_prefill_sm90 {
 using namespace pw_ptx;
 
 
-constexpr int kKvTile = 64;                   // keys per KV tile
-constexpr uint32_t kKvBytes = kKvTile * 512;  // one K or V tile: 32 KB
-constexpr int kProducerThreads = 128;
-
-
-using Params = PwPrefillParams;
-
-constexpr int kStages = 2;  // K buffers, and as many V buffers
-
-// Compile-time configuration of one kernel instantiation.
-template <int kCtaQ, int kWG>
-struct Cfg {
-  static_assert(kWG == 1 || kWG == 2, "one or two consumer warpgroups");
-  static_assert(kCtaQ >= 1 && kCtaQ <= 64 * kWG, "the consumer warpgroups must cover the tile");
-  static constexpr int kThreads = kProducerThreads + 128 * kWG;
-  static constexpr int kRowsQ = 64 * kWG;                 // Q rows held in shared memory
-  static constexpr uint32_t kQBlockBytes = kRowsQ * 128;  // one 64-column block of Q
-  static constexpr uint32_t kQBytes = kRowsQ * 512;
-  // + 1 KB alignment pad
-  static constexpr uint32_t kSmemBytes = 1024 + kQBytes + 2u * kStages * kKvBytes;
-  static constexpr int kMinBlocks = 1;
-  // Two consumer warpgroups + the producer (384 threads) get 168 registers each at launch; setmaxnreg moves
-  // them to the consumers (FlashAttention-3's split for a cp.async producer): 128 * 40 + 256 * 232 = 64512.
-  // One consumer warpgroup (256 threads) has 255 registers per thread anyway: no setmaxnreg.
-  static constexpr bool kSetMaxNReg = (kWG == 2);
-  static constexpr uint32_t kProducerRegs = 40;
-  static constexpr uint32_t kConsumerRegs = 232;
-  static_assert(!kSetMaxNReg || kProducerThreads * kProducerRegs + 128 * kWG * kConsumerRegs <= 65536,
-                "setmaxnreg budget exceeds the register file");
-  static constexpr int kNumBarriers = 1 + 4 * kStages;  // q_full, full_k[], full_v[], empty_k[], empty_v[]
-};
-
 #ifdef PW_SM90_DEVICE_CODE
-// ------------------------------------------------------------------------------------------------ PTX helpers
-constexpr uint32_t kKvBlockBytes = kKvTile * 128;  // one 64-column block of a K/V tile: 8 KB
-// Named barriers (id 0 is __syncthreads): 1, 2 = "consumer warpgroup 0 / 1 may issue its GEMMs";
-// 3, 4 = consumer warpgroup 0 / 1 internal sync before the epilogue.
-constexpr int kBarSched = 1;
-constexpr int kBarEpilogue = 3;
-
-
-// Byte offset of 16-byte chunk `chunk` (0..31) of row `row` in a tile of `rows` rows stored as four
-// 64-column SWIZZLE_128B blocks (block = chunk / 8, rows 128 B apart, chunk (chunk % 8) ^ (row % 8)).
-template <int kRows>
-__device__ __forceinline__ uint32_t sw128(int row, int chunk) {
-  return static_cast<uint32_t>((chunk >> 3) * (kRows * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
-}
-
-
 // Tile geometry (uniform across the CTA; identical to prefill_hd256.cu). Computed once before the role split
 // (for the early exit) and again inside each role, so that few values are live across setmaxnreg.
 struct Geo {
@@ -147,38 +100,17 @@ __device__ __forceinline__ Geo tile_geometry(const Params& p, int tile) {
 
 // ------------------------------------------------------------------------------------------------ the kernel
 #ifdef PW_SM90_DEVICE_CODE
-// Shared-memory map of one CTA (byte addresses in the shared window).
-template <int kCtaQ, int kWG>
-struct Smem {
-  uint32_t q, k, v;  // Q | K[kStages] | V[kStages], q aligned to 1024 B (the swizzle atom)
-  uint32_t bar;      // q_full, full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages] (8 B each)
-  __device__ __forceinline__ Smem(const void* dyn, const void* bars) {
-    q = (smem_addr(dyn) + 1023u) & ~1023u;
-    k = q + Cfg<kCtaQ, kWG>::kQBytes;
-    v = k + kStages * kKvBytes;
-    bar = smem_addr(bars);
-  }
-  __device__ __forceinline__ uint32_t q_full() const { return bar; }
-  __device__ __forceinline__ uint32_t full_k(int s) const { return bar + 8u * (1 + s); }
-  __device__ __forceinline__ uint32_t full_v(int s) const { return bar + 8u * (1 + kStages + s); }
-  __device__ __forceinline__ uint32_t empty_k(int s) const { return bar + 8u * (1 + 2 * kStages + s); }
-  __device__ __forceinline__ uint32_t empty_v(int s) const { return bar + 8u * (1 + 3 * kStages + s); }
-};
-
-// Buffer of KV tile j, and the parity of the mbarrier phase of that buffer's use by tile j (its use j / kStages).
-__device__ __forceinline__ int stage_of(int j) { return j % kStages; }
-__device__ __forceinline__ uint32_t parity_of(int j) { return static_cast<uint32_t>((j / kStages) & 1); }
-
-// Producer, cp.async copy: 16 rows of a 64-key tile (rows 16*pw .. 16*pw + 15; lane = 16-byte chunk). `off`
-// holds, in lane i < 16, the pool element offset of row 16*pw + i (or -1: outside [kv_lo, kv_hi), zero-filled).
+// Producer, cp.async copy: a warp's 16 rows of a 64-key tile (rows 16*pw .. 16*pw + 15; lane = 16-byte chunk).
+// `off` holds, in lane i < 16, the pool element offset of row 16*pw + i (or -1: outside [kv_lo, kv_hi),
+// zero-filled).
 __device__ __forceinline__ void issue_kv_rows(uint32_t s_tile, const __nv_bfloat16* pool_lane,
                                               const __nv_bfloat16* pool, long long off, int pw, int lane) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
+  for (int i = 0; i < kKvRowsPerWarp; ++i) {
     const long long row_off = __shfl_sync(0xffffffffu, off, i);
     const bool valid = row_off >= 0;
     const void* src = valid ? static_cast<const void*>(pool_lane + row_off) : static_cast<const void*>(pool);
-    cp_async_16(s_tile + sw128<kKvTile>(pw * 16 + i, lane), src, valid ? 16 : 0);
+    cp_async_16(s_tile + sw128<kKvTile>(pw * kKvRowsPerWarp + i, lane), src, valid ? 16 : 0);
   }
 }
 
@@ -192,16 +124,16 @@ __device__ __forceinline__ void load_q(const Params& p, const Smem<kCtaQ, kWG>& 
   const int pr0 = t.row0 + warp;
   int tok = pr0 / grp;
   int hg = pr0 - tok * grp;
-  const int step_tok = 4 / grp;
-  const int step_hg = 4 - step_tok * grp;
+  const int step_tok = kWarpgroupWarps / grp;
+  const int step_hg = kWarpgroupWarps - step_tok * grp;
 #pragma unroll 4
-  for (int it = 0; it < C::kRowsQ / 4; ++it) {
-    const int r = warp + 4 * it;
+  for (int it = 0; it < C::kRowsQ / kWarpgroupWarps; ++it) {
+    const int r = warp + kWarpgroupWarps * it;
     const bool valid = r < t.rows_valid;
     const void* src = p.q;
     if (valid) {
       const int head = kv_head * grp + hg;
-      src = p.q + (static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head) * kPwPrefillHeadDim + lane * 8;
+      src = p.q + (static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head) * kHeadDim + lane * kChunkElems;
     }
     cp_async_16(sm.q + sw128<C::kRowsQ>(r, lane), src, valid ? 16 : 0);
     tok += step_tok;
@@ -230,13 +162,13 @@ __device__ __forceinline__ void producer_cp_async(const Params& p, const Smem<kC
   // division (slot + step_slot <= 2 page_size - 2, so one conditional subtraction restores the invariant).
   const int ps = p.page_size;
   const int* const pages = p.page_indices + t.page_base;
-  int pos = t.kv_start + warp * 16 + (lane & 15);
+  int pos = t.kv_start + warp * kKvRowsPerWarp + (lane & 15);
   int pi = pos / ps;
   int slot = pos - pi * ps;
   const int step_pi = kKvTile / ps;
   const int step_slot = kKvTile - step_pi * ps;
   // A row outside [kv_lo, kv_hi) is zero-filled and its page never read.
-  auto row_valid = [&](int x) { return lane < 16 && x >= t.kv_lo && x < t.kv_hi; };
+  auto row_valid = [&](int x) { return lane < kKvRowsPerWarp && x >= t.kv_lo && x < t.kv_hi; };
   int page = 0;  // page id of the current tile's row (valid rows only), loaded one tile ahead
   if (row_valid(pos)) page = __ldg(pages + pi);  // tile 0: in flight while Q is issued
 
@@ -250,7 +182,7 @@ __device__ __forceinline__ void producer_cp_async(const Params& p, const Smem<kC
     long long off = -1;
     if (row_valid(pos)) {
       off = static_cast<long long>(page) * p.page_stride +
-            static_cast<long long>(slot * p.num_kv_heads + kv_head) * kPwPrefillHeadDim;
+            static_cast<long long>(slot * p.num_kv_heads + kv_head) * kHeadDim;
     }
     pos += kKvTile;
     pi += step_pi;
@@ -263,10 +195,10 @@ __device__ __forceinline__ void producer_cp_async(const Params& p, const Smem<kC
     const int st = stage_of(j);
     const uint32_t empty_parity = parity_of(j) ^ 1;  // the first use of a buffer passes at once
     mbar_wait<true>(sm.empty_k(st), empty_parity);
-    issue_kv_rows(sm.k + st * kKvBytes, p.pool + p.k_offset + lane * 8, p.pool, off, warp, lane);
+    issue_kv_rows(sm.k + st * kKvBytes, p.pool + p.k_offset + lane * kChunkElems, p.pool, off, warp, lane);
     cp_async_mbar_arrive(sm.full_k(st));
     mbar_wait<true>(sm.empty_v(st), empty_parity);
-    issue_kv_rows(sm.v + st * kKvBytes, p.pool + p.v_offset + lane * 8, p.pool, off, warp, lane);
+    issue_kv_rows(sm.v + st * kKvBytes, p.pool + p.v_offset + lane * kChunkElems, p.pool, off, warp, lane);
     cp_async_mbar_arrive(sm.full_v(st));
   }
   cp_async_wait_all();  // leave no copy in flight behind an exiting thread
@@ -294,10 +226,10 @@ __device__ __forceinline__ void producer_tma(const Params& p, const Smem<kCtaQ, 
   }
   const bool is_k = warp == 0;
   const CUtensorMap* const map = is_k ? map_k : map_v;
-  const __nv_bfloat16* const pool_lane = p.pool + (is_k ? p.k_offset : p.v_offset) + lane * 8;
+  const __nv_bfloat16* const pool_lane = p.pool + (is_k ? p.k_offset : p.v_offset) + lane * kChunkElems;
   const int ps = p.page_size;
   const int box_rows = min(ps, kKvTile);
-  const uint32_t box_bytes = static_cast<uint32_t>(box_rows) * 128u;
+  const uint32_t box_bytes = static_cast<uint32_t>(box_rows) * kBlockRowBytes;
   const int chunk = lane >> 2, block = lane & 3;
   const bool has_box = chunk * box_rows < kKvTile;
   const int* const pages = p.page_indices + t.page_base;
@@ -341,7 +273,7 @@ __device__ __forceinline__ void producer_tma(const Params& p, const Smem<kCtaQ, 
         if (key < t.kv_len) {
           const int kp = key / ps;
           const long long off = static_cast<long long>(__ldg(pages + kp)) * p.page_stride +
-                                static_cast<long long>((key - kp * ps) * p.num_kv_heads + kv_head) * kPwPrefillHeadDim;
+                                static_cast<long long>((key - kp * ps) * p.num_kv_heads + kv_head) * kHeadDim;
           v = __ldg(reinterpret_cast<const uint4*>(pool_lane + off));
         }
         st_shared_v4(buf + sw128<kKvTile>(r, lane), v);
@@ -353,7 +285,7 @@ __device__ __forceinline__ void producer_tma(const Params& p, const Smem<kCtaQ, 
     if (lane == 0) mbar_arrive_expect_tx(full, boxes * box_bytes);
     __syncwarp();  // the expected byte count is posted before any of the tile's copies can complete
     if (copy_box) {
-      tma_load_4d(buf + block * kKvBlockBytes + chunk * box_bytes, map, block * 64, kv_head, c2, c3, full);
+      tma_load_4d(buf + block * kKvBlockBytes + chunk * box_bytes, map, block * kBlockCols, kv_head, c2, c3, full);
     }
   }
 }
@@ -366,32 +298,36 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
   constexpr float kNegInf = -INFINITY;
   const Geo t = tile_geometry<kCtaQ>(p, blockIdx.x);
   const int kv_head = blockIdx.y;
-  const int cw = (threadIdx.x >> 7) - 1;
+  const int cw = (threadIdx.x >> 7) - 1;  // warpgroup 1 + cw
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;  // accumulator row within the warp's 16 rows (and g + 8)
   const int c4 = lane & 3;  // accumulator column pair
   const int group = p.group;
   const int wl = p.window_left;
-  const int lrow0 = 64 * cw + 16 * warp + g;  // this thread's rows: lrow0 (index 0) and lrow0 + 8 (index 1)
+  const int lrow0 =
+      kWarpgroupRows * cw + kAccRowsPerWarp * warp + g;  // this thread's rows: lrow0 (index 0) and lrow0 + 8 (index 1)
   const int qp0 = t.q_shift + (t.row0 + lrow0) / group;
   const int qp1 = t.q_shift + (t.row0 + lrow0 + 8) / group;
   const int lo0 = (wl >= 0) ? qp0 - wl : 0;
   const int lo1 = (wl >= 0) ? qp1 - wl : 0;
   const float sl2 = p.scale_log2;
   // Query positions spanned by this warpgroup's rows (for the "no mask needed" test).
-  const int wq_first = t.q_shift + (t.row0 + 64 * cw) / group;
-  const int wq_last = t.q_shift + (t.row0 + max(64 * cw, min(64 * cw + 63, t.rows_valid - 1))) / group;
+  const int wq_first = t.q_shift + (t.row0 + kWarpgroupRows * cw) / group;
+  const int wq_last =
+      t.q_shift +
+      (t.row0 + max(kWarpgroupRows * cw, min(kWarpgroupRows * cw + kWarpgroupRows - 1, t.rows_valid - 1))) / group;
 
-  // Descriptor low words. Q: this warpgroup's 64 rows start 64 * 128 B into each 64-column block of Q.
-  const uint32_t dq = desc_lo(sm.q + cw * 64 * 128, 16);
-  const uint32_t dk0 = desc_lo(sm.k, 16);
-  const uint32_t dv0 = desc_lo(sm.v, 8192);
+  // Descriptor low words. Q: this warpgroup's 64 rows start 64 * 128 B into each 64-column block of Q. Q and K
+  // are K-major (LBO unused with the swizzle: 16), V is MN-major (LBO: the next 64 head dims, one block).
+  const uint32_t dq = desc_lo(sm.q + cw * kWarpgroupRows * kBlockRowBytes, kDescLboUnused);
+  const uint32_t dk0 = desc_lo(sm.k, kDescLboUnused);
+  const uint32_t dv0 = desc_lo(sm.v, kKvBlockBytes);
 
-  float o[128];
+  float o[kORegs];
 #pragma unroll
-  for (int i = 0; i < 128; ++i) o[i] = 0.f;
-  float s[32];                       // written by the first S wgmma of every tile (scale-d = 0)
+  for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
+  float s[kSRegs];                   // written by the first S wgmma of every tile (scale-d = 0)
   float m0 = kNegInf, m1 = kNegInf;  // running max of scaled (log2-domain) logits
   float l0 = 0.f, l1 = 0.f;          // this thread's partial row sums (quad-reduced at the end)
 
@@ -416,7 +352,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
     const uint32_t dv = dv0 + st * (kKvBytes >> 4);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
-      wgmma_m64n256k16_rs_tb(o, pf[ks][0], pf[ks][1], pf[ks][2], pf[ks][3], make_desc(dv + ks * (2048 >> 4)));
+      wgmma_m64n256k16_rs_tb(o, pf[ks][0], pf[ks][1], pf[ks][2], pf[ks][3], make_desc(dv + ks * (kVKStepBytes >> 4)));
     }
   };
 
@@ -467,7 +403,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
   // exactly 256 arrivals: 128 waiting threads + 128 arriving threads. No wgmma is in flight across a loop
   // edge or a conditional path (ptxas would otherwise serialise every wgmma); the last tile is peeled.
 #pragma unroll
-  for (int i = 0; i < 128; ++i) reg_fence(o[i]);  // materialise O = 0 before any wgmma is in flight
+  for (int i = 0; i < kORegs; ++i) reg_fence(o[i]);  // materialise O = 0 before any wgmma is in flight
   mbar_wait<false>(sm.q_full(), 0);
   const int n_tiles = t.n_tiles;
   if (n_tiles > 0) {  // always true when rows_valid > 0; uniform across the CTA
@@ -476,16 +412,16 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
     mbar_wait<false>(sm.full_k(0), 0);
     fence_proxy_async();
     if constexpr (kWG == 2) {
-      if (cw == 1) named_bar_arrive(kBarSched + 0, 256);
-      named_bar_sync(kBarSched + cw, 256);
+      if (cw == 1) named_bar_arrive(kBarSched + 0, kBarSchedThreads);
+      named_bar_sync(kBarSched + cw, kBarSchedThreads);
     }
     wgmma_fence();
     gemm_s(0);
     wgmma_commit();
-    if constexpr (kWG == 2) named_bar_arrive(kBarSched + (1 - cw), 256);
+    if constexpr (kWG == 2) named_bar_arrive(kBarSched + (1 - cw), kBarSchedThreads);
     wgmma_wait<0>();
 #pragma unroll
-    for (int i = 0; i < 32; ++i) reg_fence(s[i]);
+    for (int i = 0; i < kSRegs; ++i) reg_fence(s[i]);
     release(sm.empty_k(0));
     softmax_p(0, alpha0, alpha1);  // O is 0: no rescale needed
     pack_p();
@@ -497,18 +433,18 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
       mbar_wait<false>(sm.full_v(stage_of(j)), parity_of(j));
       fence_proxy_async();
       // ---- turn j+1: S(j+1), then PV(j) (two commit groups, in this order)
-      if constexpr (kWG == 2) named_bar_sync(kBarSched + cw, 256);
+      if constexpr (kWG == 2) named_bar_sync(kBarSched + cw, kBarSchedThreads);
       wgmma_fence();
 #pragma unroll
-      for (int i = 0; i < 128; ++i) reg_fence(o[i]);
+      for (int i = 0; i < kORegs; ++i) reg_fence(o[i]);
       gemm_s(stage_of(j1));
       wgmma_commit();
       gemm_pv(stage_of(j));
       wgmma_commit();
-      if constexpr (kWG == 2) named_bar_arrive(kBarSched + (1 - cw), 256);
+      if constexpr (kWG == 2) named_bar_arrive(kBarSched + (1 - cw), kBarSchedThreads);
       wgmma_wait<1>();  // S(j+1) has completed; PV(j) may still run
 #pragma unroll
-      for (int i = 0; i < 32; ++i) reg_fence(s[i]);
+      for (int i = 0; i < kSRegs; ++i) reg_fence(s[i]);
       softmax_p(j1, alpha0, alpha1);  // overlaps PV(j) on the tensor cores
       // Release K(j+1). The condition is always true (l0, l1 >= 0, or NaN), but it makes the arrive depend on
       // the softmax, which keeps ptxas from sinking the softmax below the wait for PV(j) (losing the overlap).
@@ -516,7 +452,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
       if (lane == 0 && !(l0 + l1 < 0.f)) mbar_arrive(sm.empty_k(stage_of(j1)));
       wgmma_wait<0>();  // PV(j) has completed
 #pragma unroll
-      for (int i = 0; i < 128; ++i) reg_fence(o[i]);
+      for (int i = 0; i < kORegs; ++i) reg_fence(o[i]);
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
         reg_fence_u32(pf[ks][0]);
@@ -532,19 +468,19 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
     // ---- turn n: PV(n-1)
     mbar_wait<false>(sm.full_v(stage_of(n_tiles - 1)), parity_of(n_tiles - 1));
     fence_proxy_async();
-    if constexpr (kWG == 2) named_bar_sync(kBarSched + cw, 256);
+    if constexpr (kWG == 2) named_bar_sync(kBarSched + cw, kBarSchedThreads);
     wgmma_fence();
 #pragma unroll
-    for (int i = 0; i < 128; ++i) reg_fence(o[i]);
+    for (int i = 0; i < kORegs; ++i) reg_fence(o[i]);
     gemm_pv(stage_of(n_tiles - 1));
     wgmma_commit();
     if constexpr (kWG == 2) {
-      if (cw == 0) named_bar_arrive(kBarSched + 1, 256);
+      if (cw == 0) named_bar_arrive(kBarSched + 1, kBarSchedThreads);
     }
     wgmma_wait<0>();
   }
 #pragma unroll
-  for (int i = 0; i < 128; ++i) reg_fence(o[i]);
+  for (int i = 0; i < kORegs; ++i) reg_fence(o[i]);
 
   // ---- epilogue: normalise, stage this warpgroup's rows as bf16 in its own Q rows, copy out 16 B per lane
   l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
@@ -556,13 +492,13 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
 
   // Only this warpgroup's S GEMMs ever read its 64 Q rows; all of them have completed once all four warps
   // have passed this barrier.
-  named_bar_sync(kBarEpilogue + cw, 128);
+  named_bar_sync(kBarEpilogue + cw, kWarpgroupThreads);
 #pragma unroll
   for (int n = 0; n < 32; ++n) {
     // head dims 8n .. 8n+7 = 16-byte chunk n: block n / 8, chunk (n % 8) ^ (row % 8), row % 8 == g
-    const uint32_t a = sm.q + (n >> 3) * C::kQBlockBytes + lrow0 * 128 + (((n & 7) ^ g) << 4) + c4 * 4;
+    const uint32_t a = sm.q + (n >> 3) * C::kQBlockBytes + lrow0 * kBlockRowBytes + (((n & 7) ^ g) << 4) + c4 * 4;
     st_shared_b32(a, pack_bf16x2(o[4 * n + 0] * inv0, o[4 * n + 1] * inv0));
-    st_shared_b32(a + 8 * 128, pack_bf16x2(o[4 * n + 2] * inv1, o[4 * n + 3] * inv1));
+    st_shared_b32(a + 8 * kBlockRowBytes, pack_bf16x2(o[4 * n + 2] * inv1, o[4 * n + 3] * inv1));
   }
   __syncwarp();
 
@@ -585,15 +521,15 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
 
   // The warp reads back exactly the 16 rows it wrote.
 #pragma unroll 4
-  for (int i = 0; i < 16; ++i) {
-    const int r = 64 * cw + 16 * warp + i;
+  for (int i = 0; i < kAccRowsPerWarp; ++i) {
+    const int r = kWarpgroupRows * cw + kAccRowsPerWarp * warp + i;
     if (r < t.rows_valid) {
       const int pr = t.row0 + r;
       const int tok = pr / group;
       const int head = kv_head * group + (pr - tok * group);
       const uint4 v = ld_shared_v4(sm.q + sw128<C::kRowsQ>(r, lane));
       __nv_bfloat16* dst =
-          p.out + (static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head) * kPwPrefillHeadDim + lane * 8;
+          p.out + (static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head) * kHeadDim + lane * kChunkElems;
       *reinterpret_cast<uint4*>(dst) = v;
     }
   }
@@ -626,8 +562,8 @@ __global__ void __launch_bounds__(Cfg<kCtaQ, kWG>::kThreads, Cfg<kCtaQ, kWG>::kM
     for (int s = 0; s < kStages; ++s) {
       mbar_init(sm.full_k(s), kFullCount);
       mbar_init(sm.full_v(s), kFullCount);
-      mbar_init(sm.empty_k(s), 4 * kWG);
-      mbar_init(sm.empty_v(s), 4 * kWG);
+      mbar_init(sm.empty_k(s), kWarpgroupWarps * kWG);
+      mbar_init(sm.empty_v(s), kWarpgroupWarps * kWG);
     }
     mbar_init_fence();
   }

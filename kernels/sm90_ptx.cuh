@@ -151,6 +151,7 @@ __device__ __forceinline__ void reg_fence_u32(uint32_t& x) { asm volatile("" : "
 __device__ __forceinline__ uint32_t desc_lo(uint32_t smem_byte_addr, uint32_t lbo_bytes) {
   return ((smem_byte_addr & 0x3FFFFu) >> 4) | ((lbo_bytes >> 4) << 16);
 }
+constexpr uint32_t kDescLboUnused = 16;      // LBO of a K-major swizzled operand (ignored by the hardware)
 constexpr uint32_t kDescStrideBytes = 1024;  // SBO: the next 8-row (8-key) group, one 8 x 128 B swizzle atom
 constexpr uint32_t kDescSwizzle128B = 1;     // layout type, bits 62..63
 constexpr uint32_t kDescHi = (kDescStrideBytes >> 4) | (kDescSwizzle128B << 30);

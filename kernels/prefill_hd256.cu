@@ -38,6 +38,7 @@
 #include "prefill_launch.cuh"  // status codes, PwPrefillParams, argument checks
 #include "online_softmax.cuh"  // mask + online-softmax step shared with the sm_90a kernel
 #include "ptx_common.cuh"      // PTX helpers both prefill kernels use
+#include "tile_geometry.cuh"   // a tile's rows and visible keys from the plan (shared with the other kernels)
 
 // K/V buffering of the 64-row tile: 0 = choose per device (default), 1 or 2 = force.
 #ifndef PW_PREFILL_KV_STAGES
@@ -51,6 +52,8 @@
 namespace pw_prefill {
 
 using namespace pw_ptx;
+using pw_tile::qpos_of;
+using pw_tile::TileGeometry;
 
 constexpr int kHeadDim = kPwPrefillHeadDim;
 constexpr int kKvTile = 64;                    // keys per KV tile
@@ -130,25 +133,11 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill
   const int lane = threadIdx.x & 31;
 
   // ---- tile geometry (uniform across the CTA)
-  const int req = p.request_indices[tile];
-  const int qtile = p.qo_tile_indices[tile];
-  const int qo_begin = p.qo_indptr[req];
-  const int seq = p.qo_indptr[req + 1] - qo_begin;
-  const int page_base = p.page_indptr[req];
-  const int num_pages = p.page_indptr[req + 1] - page_base;
-  const int kv_len = (num_pages - 1) * p.page_size + p.last_page_len[req];
-  const int group = p.group;
-  const int row0 = qtile * kCtaQ;                         // first packed row of this tile
-  const int rows_valid = min(kCtaQ, seq * group - row0);  // packed rows this tile owns
-  if (rows_valid <= 0) return;
-  const int q_shift = kv_len - seq;  // q_pos = q_shift + token
-  const int wl = p.window_left;
-  const int qpos_first = q_shift + row0 / group;
-  const int qpos_last = q_shift + (row0 + rows_valid - 1) / group;
-  const int kv_lo = (wl >= 0) ? max(qpos_first - wl, 0) : 0;  // first key any row of the tile can see
-  const int kv_hi = min(qpos_last + 1, kv_len);               // one past the last key any row can see
-  const int kv_start = (kv_lo / kKvTile) * kKvTile;
-  const int n_tiles = (kv_hi > kv_start) ? (kv_hi - kv_start + kKvTile - 1) / kKvTile : 0;
+  TileGeometry t = pw_tile::tile_rows<kCtaQ>(p, tile);
+  if (t.rows_valid <= 0) return;
+  pw_tile::tile_keys<kKvTile>(p, t);
+  const int group = t.group;
+  const int wl = t.window_left;
 
   // ---- shared memory carve-up: Q | K[kStages] | V[kStages]
   const uint32_t sQ = smem_addr(smem);
@@ -159,20 +148,20 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill
 #pragma unroll 4
   for (int it = 0; it < kCtaQ / kWarps; ++it) {
     const int r = warp + it * kWarps;
-    const bool valid = r < rows_valid;
+    const bool valid = r < t.rows_valid;
     const void* src = p.q;
     if (valid) {
-      const int pr = row0 + r;
+      const int pr = t.row0 + r;
       const int tok = pr / group;
       const int head = kv_head * group + (pr - tok * group);
-      src = p.q + (static_cast<long long>(qo_begin + tok) * p.num_qo_heads + head) * kHeadDim + lane * 8;
+      src = p.q + (static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head) * kHeadDim + lane * 8;
     }
     cp_async_16(sQ + swz(r, lane), src, valid ? 16 : 0);
   }
 
   KvRows<kWarps> rows;
-  if (n_tiles > 0) {
-    rows.compute(p, kv_start, kv_lo, kv_hi, page_base, kv_head, warp, lane);
+  if (t.n_tiles > 0) {
+    rows.compute(p, t.kv_start, t.kv_lo, t.kv_hi, t.page_base, kv_head, warp, lane);
     rows.issue(p, sK, p.k_offset, warp, lane);
     if constexpr (kStages == 2) rows.issue(p, sV, p.v_offset, warp, lane);
   }
@@ -196,9 +185,9 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill
   }
 
   // ---- per-thread query rows: packed rows warp*16 + g (index 0) and warp*16 + g + 8 (index 1)
-  const int prow0 = row0 + warp * 16 + g;
-  const int qp0 = q_shift + prow0 / group;
-  const int qp1 = q_shift + (prow0 + 8) / group;
+  const int prow0 = t.row0 + warp * 16 + g;
+  const int qp0 = qpos_of(t, group, prow0);
+  const int qp1 = qpos_of(t, group, prow0 + 8);
   const int lo0 = (wl >= 0) ? qp0 - wl : 0;
   const int lo1 = (wl >= 0) ? qp1 - wl : 0;
   const float sl2 = p.scale_log2;
@@ -214,8 +203,8 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill
   float m0 = kNegInf, m1 = kNegInf;  // running max of scaled (log2-domain) logits
   float l0 = 0.f, l1 = 0.f;          // this thread's partial row sums (quad-reduced at the end)
 
-  for (int j = 0; j < n_tiles; ++j) {
-    const int kb = kv_start + j * kKvTile;
+  for (int j = 0; j < t.n_tiles; ++j) {
+    const int kb = t.kv_start + j * kKvTile;
     const uint32_t kbuf = sK + ((kStages == 2) ? (j & 1) * kKvBytes : 0u);
     const uint32_t vbuf = sV + ((kStages == 2) ? (j & 1) * kKvBytes : 0u);
 
@@ -225,9 +214,9 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill
       rows.issue(p, sV, p.v_offset, warp, lane);  // V(j): same rows as K(j)
       cp_async_commit();
     } else {
-      if (j + 1 < n_tiles) {
+      if (j + 1 < t.n_tiles) {
         const uint32_t nb = ((j + 1) & 1) * kKvBytes;
-        rows.compute(p, kb + kKvTile, kv_lo, kv_hi, page_base, kv_head, warp, lane);
+        rows.compute(p, kb + kKvTile, t.kv_lo, t.kv_hi, t.page_base, kv_head, warp, lane);
         rows.issue(p, sK + nb, p.k_offset, warp, lane);
         rows.issue(p, sV + nb, p.v_offset, warp, lane);
       }
@@ -258,7 +247,7 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill
 
     // ---- mask boundary tiles only, then the online softmax (log2 domain): s becomes P
     auto at = [&](int n, int e) -> float& { return s[n][e]; };
-    const bool full_tile = (kb + kKvTile - 1 <= qpos_first) && (wl < 0 || kb >= qpos_last - wl);
+    const bool full_tile = (kb + kKvTile - 1 <= t.qpos_first) && (wl < 0 || kb >= t.qpos_last - wl);
     if (!full_tile) pw_softmax::mask_tile(at, kb, c4, lo0, qp0, lo1, qp1);
     float alpha0, alpha1;
     pw_softmax::softmax_step(at, sl2, m0, m1, l0, l1, alpha0, alpha1);
@@ -282,8 +271,8 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill
     if constexpr (kStages == 1) {
       cp_async_wait<0>();
       __syncthreads();  // V(j) visible; every warp is done reading K(j)
-      if (j + 1 < n_tiles) {
-        rows.compute(p, kb + kKvTile, kv_lo, kv_hi, page_base, kv_head, warp, lane);
+      if (j + 1 < t.n_tiles) {
+        rows.compute(p, kb + kKvTile, t.kv_lo, t.kv_hi, t.page_base, kv_head, warp, lane);
         rows.issue(p, sK, p.k_offset, warp, lane);  // K(j+1) overlaps O += P V(j)
       }
       cp_async_commit();
@@ -328,13 +317,13 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = warp * 16 + g + 8 * h;
-      if (r < rows_valid) {
-        const int pr = row0 + r;
+      if (r < t.rows_valid) {
+        const int pr = t.row0 + r;
         const int tok = pr / group;
         const int head = kv_head * group + (pr - tok * group);
         const float l = h ? l1 : l0;
         const float m = h ? m1 : m0;
-        p.lse[static_cast<long long>(qo_begin + tok) * p.num_qo_heads + head] =
+        p.lse[static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head] =
             (l > 0.f) ? (m + __log2f(l)) * kLn2 : kNegInf;
       }
     }
@@ -343,13 +332,13 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill
 #pragma unroll 4
   for (int i = 0; i < 16; ++i) {
     const int r = warp * 16 + i;
-    if (r < rows_valid) {
-      const int pr = row0 + r;
+    if (r < t.rows_valid) {
+      const int pr = t.row0 + r;
       const int tok = pr / group;
       const int head = kv_head * group + (pr - tok * group);
       const uint4 v = ld_shared_v4(sQ + swz(r, lane));
       __nv_bfloat16* dst =
-          p.out + (static_cast<long long>(qo_begin + tok) * p.num_qo_heads + head) * kHeadDim + lane * 8;
+          p.out + (static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head) * kHeadDim + lane * 8;
       *reinterpret_cast<uint4*>(dst) = v;
     }
   }

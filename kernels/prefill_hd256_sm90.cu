@@ -62,41 +62,15 @@
 #include "ptx_common.cuh"      // PTX helpers both prefill kernels use
 #include "sm90_ptx.cuh"        // sm_90 PTX: mbarriers, bulk copies, named barriers, setmaxnreg, wgmma
 #include "sm90_config.cuh"     // shapes, thread roles, named barriers, the shared-memory map and swizzle
+#include "tile_geometry.cuh"   // a tile's rows and visible keys from the plan (shared with the other kernels)
 
 
 namespace pw_prefill_sm90 {
 
 using namespace pw_ptx;
+using pw_tile::qpos_of;
+using pw_tile::TileGeometry;
 
-
-#ifdef PW_SM90_DEVICE_CODE
-// Tile geometry (uniform across the CTA; identical to prefill_hd256.cu). Computed once before the role split
-// (for the early exit) and again inside each role, so that few values are live across setmaxnreg.
-struct Geo {
-  int qo_begin, page_base, kv_len, row0, rows_valid, q_shift, kv_lo, kv_hi, kv_start, n_tiles;
-};
-template <int kCtaQ>
-__device__ __forceinline__ Geo tile_geometry(const Params& p, int tile) {
-  Geo t;
-  const int req = p.request_indices[tile];
-  const int qtile = p.qo_tile_indices[tile];
-  t.qo_begin = p.qo_indptr[req];
-  const int seq = p.qo_indptr[req + 1] - t.qo_begin;
-  t.page_base = p.page_indptr[req];
-  const int num_pages = p.page_indptr[req + 1] - t.page_base;
-  t.kv_len = (num_pages - 1) * p.page_size + p.last_page_len[req];
-  t.row0 = qtile * kCtaQ;                             // first packed row of this tile
-  t.rows_valid = min(kCtaQ, seq * p.group - t.row0);  // packed rows this tile owns
-  t.q_shift = t.kv_len - seq;                         // q_pos = q_shift + token
-  const int qpos_first = t.q_shift + t.row0 / p.group;
-  const int qpos_last = t.q_shift + (t.row0 + max(t.rows_valid, 1) - 1) / p.group;
-  t.kv_lo = (p.window_left >= 0) ? max(qpos_first - p.window_left, 0) : 0;  // first key any row can see
-  t.kv_hi = min(qpos_last + 1, t.kv_len);                                   // one past the last one
-  t.kv_start = (t.kv_lo / kKvTile) * kKvTile;
-  t.n_tiles = (t.kv_hi > t.kv_start) ? (t.kv_hi - t.kv_start + kKvTile - 1) / kKvTile : 0;
-  return t;
-}
-#endif  // PW_SM90_DEVICE_CODE
 
 // ------------------------------------------------------------------------------------------------ the kernel
 #ifdef PW_SM90_DEVICE_CODE
@@ -117,8 +91,8 @@ __device__ __forceinline__ void issue_kv_rows(uint32_t s_tile, const __nv_bfloat
 // Producer, Q tile (all four warps; rows past rows_valid zero-filled): warp w copies rows w, w+4, ...; row r ->
 // (token, head in group) walked by 4; lane = 16-byte chunk. Arrives on q_full once its copies have landed.
 template <int kCtaQ, int kWG>
-__device__ __forceinline__ void load_q(const Params& p, const Smem<kCtaQ, kWG>& sm, const Geo& t, int kv_head, int warp,
-                                       int lane) {
+__device__ __forceinline__ void load_q(const Params& p, const Smem<kCtaQ, kWG>& sm, const TileGeometry& t, int kv_head,
+                                       int warp, int lane) {
   using C = Cfg<kCtaQ, kWG>;
   const int grp = p.group;
   const int pr0 = t.row0 + warp;
@@ -152,7 +126,7 @@ __device__ __forceinline__ void load_q(const Params& p, const Smem<kCtaQ, kWG>& 
 // All four warps copy every tile: a warp's copies go through its own scheduler's load/store path.
 template <int kCtaQ, int kWG>
 __device__ __forceinline__ void producer_cp_async(const Params& p, const Smem<kCtaQ, kWG>& sm) {
-  const Geo t = tile_geometry<kCtaQ>(p, blockIdx.x);
+  const TileGeometry t = pw_tile::tile_geometry<kCtaQ, kKvTile>(p, blockIdx.x);
   const int kv_head = blockIdx.y;
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
@@ -215,7 +189,7 @@ __device__ __forceinline__ void producer_cp_async(const Params& p, const Smem<kC
 template <int kCtaQ, int kWG>
 __device__ __forceinline__ void producer_tma(const Params& p, const Smem<kCtaQ, kWG>& sm, const CUtensorMap* map_k,
                                              const CUtensorMap* map_v) {
-  const Geo t = tile_geometry<kCtaQ>(p, blockIdx.x);
+  const TileGeometry t = pw_tile::tile_geometry<kCtaQ, kKvTile>(p, blockIdx.x);
   const int kv_head = blockIdx.y;
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
@@ -296,7 +270,7 @@ template <int kCtaQ, int kWG>
 __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>& sm) {
   using C = Cfg<kCtaQ, kWG>;
   constexpr float kNegInf = -INFINITY;
-  const Geo t = tile_geometry<kCtaQ>(p, blockIdx.x);
+  const TileGeometry t = pw_tile::tile_geometry<kCtaQ, kKvTile>(p, blockIdx.x);
   const int kv_head = blockIdx.y;
   const int cw = (threadIdx.x >> 7) - 1;  // warpgroup 1 + cw
   const int warp = (threadIdx.x >> 5) & 3;
@@ -307,16 +281,15 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
   const int wl = p.window_left;
   const int lrow0 =
       kWarpgroupRows * cw + kAccRowsPerWarp * warp + g;  // this thread's rows: lrow0 (index 0) and lrow0 + 8 (index 1)
-  const int qp0 = t.q_shift + (t.row0 + lrow0) / group;
-  const int qp1 = t.q_shift + (t.row0 + lrow0 + 8) / group;
+  const int qp0 = qpos_of(t, group, t.row0 + lrow0);
+  const int qp1 = qpos_of(t, group, t.row0 + lrow0 + 8);
   const int lo0 = (wl >= 0) ? qp0 - wl : 0;
   const int lo1 = (wl >= 0) ? qp1 - wl : 0;
   const float sl2 = p.scale_log2;
   // Query positions spanned by this warpgroup's rows (for the "no mask needed" test).
-  const int wq_first = t.q_shift + (t.row0 + kWarpgroupRows * cw) / group;
-  const int wq_last =
-      t.q_shift +
-      (t.row0 + max(kWarpgroupRows * cw, min(kWarpgroupRows * cw + kWarpgroupRows - 1, t.rows_valid - 1))) / group;
+  const int wq_first = qpos_of(t, group, t.row0 + kWarpgroupRows * cw);
+  const int wq_last = qpos_of(
+      t, group, t.row0 + max(kWarpgroupRows * cw, min(kWarpgroupRows * cw + kWarpgroupRows - 1, t.rows_valid - 1)));
 
   // Descriptor low words. Q: this warpgroup's 64 rows start 64 * 128 B into each 64-column block of Q. Q and K
   // are K-major (LBO unused with the swizzle: 16), V is MN-major (LBO: the next 64 head dims, one block).
@@ -549,8 +522,8 @@ __global__ void __launch_bounds__(Cfg<kCtaQ, kWG>::kThreads, Cfg<kCtaQ, kWG>::kM
   __shared__ __align__(8) unsigned long long bars[C::kNumBarriers];
   extern __shared__ __align__(16) unsigned char smem[];  // base rounded up to 1024 B at run time
 
-  if (static_cast<int>(blockIdx.x) >= p.plan_scalars[2]) return;    // grid x is a capacity
-  if (tile_geometry<kCtaQ>(p, blockIdx.x).rows_valid <= 0) return;  // uniform across the CTA
+  if (static_cast<int>(blockIdx.x) >= p.plan_scalars[2]) return;                      // grid x is a capacity
+  if (pw_tile::tile_geometry<kCtaQ, kKvTile>(p, blockIdx.x).rows_valid <= 0) return;  // uniform across the CTA
 
   const Smem<kCtaQ, kWG> sm(smem, bars);
   if (threadIdx.x == 0) {

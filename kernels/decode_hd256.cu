@@ -249,7 +249,7 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
     float o[32][4];
 #pragma unroll
     for (int d = 0; d < 32; ++d) o[d][0] = o[d][1] = o[d][2] = o[d][3] = 0.f;
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.f, l1 = 0.f;
+    pw_softmax::OnlineSoftmax softmax;  // rows g and g + 8: running max and row sums
 
     for (int i = 0; i < n; ++i) {
       cp_async_wait<kStages - 2>();  // step i (and Q) landed
@@ -282,7 +282,7 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
                         kb + kSteps <= t.kv_hi;
       if (!full) pw_softmax::mask_tile<2>(at, kb, c4, lo0, qp0, lo1, qp1);
       float alpha0, alpha1;
-      pw_softmax::softmax_step<2>(at, sl2, m0, m1, l0, l1, alpha0, alpha1);
+      softmax.step<2>(at, sl2, alpha0, alpha1);
 #pragma unroll
       for (int d = 0; d < 32; ++d) {
         o[d][0] *= alpha0;
@@ -306,12 +306,8 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
     cp_async_wait<0>();
     __syncwarp();  // no copy still landing; every lane done with the stages and Q
 
-    l0 += __shfl_xor_sync(kFullMask, l0, 1);
-    l0 += __shfl_xor_sync(kFullMask, l0, 2);
-    l1 += __shfl_xor_sync(kFullMask, l1, 1);
-    l1 += __shfl_xor_sync(kFullMask, l1, 2);
-    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f;
-    const float inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    float inv0, inv1;
+    softmax.finalize(inv0, inv1);
 
     if (tile_splits == 1) {
       // ---- the whole tile in this unit: stage the rows as bf16 in Q's place, copy out 16 B per lane
@@ -326,10 +322,7 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = g + 8 * h;
-          const float l = h ? l1 : l0;
-          const float m = h ? m1 : m0;
-          if (r < t.rows)
-            p.lse[row_offset(p, t, kv_head, r) / kHeadDim] = l > 0.f ? (m + __log2f(l)) * kLn2 : -INFINITY;
+          if (r < t.rows) p.lse[row_offset(p, t, kv_head, r) / kHeadDim] = softmax.lse(h);
         }
       }
       for (int r = 0; r < t.rows; ++r) {
@@ -354,8 +347,8 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
                make_float2(o[d][2] * inv1, o[d][3] * inv1));
     }
     if (c4 == 0) {
-      if (g < t.rows) __stcg(part_lse + g, l0 > 0.f ? m0 + __log2f(l0) : -INFINITY);
-      if (g + 8 < t.rows) __stcg(part_lse + g + 8, l1 > 0.f ? m1 + __log2f(l1) : -INFINITY);
+      if (g < t.rows) __stcg(part_lse + g, softmax.lse_log2(0));
+      if (g + 8 < t.rows) __stcg(part_lse + g + 8, softmax.lse_log2(1));
     }
     __threadfence();  // the partial is visible device-wide before the counter says so
     __syncwarp();

@@ -122,7 +122,6 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill
   constexpr int kCtaQ = 16 * kWarps;
   constexpr uint32_t kQBytes = kCtaQ * kRowBytes;
   constexpr uint32_t kKvBytes = kKvTile * kRowBytes;  // 32 KB
-  constexpr float kNegInf = -INFINITY;
 
   extern __shared__ __align__(128) unsigned char smem[];
 
@@ -200,8 +199,7 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill
     o[n][2] = 0.f;
     o[n][3] = 0.f;
   }
-  float m0 = kNegInf, m1 = kNegInf;  // running max of scaled (log2-domain) logits
-  float l0 = 0.f, l1 = 0.f;          // this thread's partial row sums (quad-reduced at the end)
+  pw_softmax::OnlineSoftmax softmax;  // rows g and g + 8: running max and row sums
 
   for (int j = 0; j < t.n_tiles; ++j) {
     const int kb = t.kv_start + j * kKvTile;
@@ -250,7 +248,7 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill
     const bool full_tile = (kb + kKvTile - 1 <= t.qpos_first) && (wl < 0 || kb >= t.qpos_last - wl);
     if (!full_tile) pw_softmax::mask_tile(at, kb, c4, lo0, qp0, lo1, qp1);
     float alpha0, alpha1;
-    pw_softmax::softmax_step(at, sl2, m0, m1, l0, l1, alpha0, alpha1);
+    softmax.step(at, sl2, alpha0, alpha1);
 #pragma unroll
     for (int n = 0; n < 32; ++n) {
       o[n][0] *= alpha0;
@@ -295,12 +293,8 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill
   cp_async_wait<0>();
   __syncthreads();  // no copy may still be landing in shared memory (covers n_tiles == 0)
 
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  const float inv0 = (l0 > 0.f) ? 1.f / l0 : 0.f;
-  const float inv1 = (l1 > 0.f) ? 1.f / l1 : 0.f;
+  float inv0, inv1;
+  softmax.finalize(inv0, inv1);
 
   // Only this warp ever reads its 16 Q rows, so it may overwrite them now.
   const int wrow = warp * 16 + g;
@@ -313,7 +307,6 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill
   __syncwarp();
 
   if (p.lse != nullptr && c4 == 0) {
-    constexpr float kLn2 = 0.69314718055994530942f;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = warp * 16 + g + 8 * h;
@@ -321,10 +314,7 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill
         const int pr = t.row0 + r;
         const int tok = pr / group;
         const int head = kv_head * group + (pr - tok * group);
-        const float l = h ? l1 : l0;
-        const float m = h ? m1 : m0;
-        p.lse[static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head] =
-            (l > 0.f) ? (m + __log2f(l)) * kLn2 : kNegInf;
+        p.lse[static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head] = softmax.lse(h);
       }
     }
   }

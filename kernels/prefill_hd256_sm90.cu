@@ -269,7 +269,6 @@ __device__ __forceinline__ void producer_tma(const Params& p, const Smem<kCtaQ, 
 template <int kCtaQ, int kWG>
 __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>& sm) {
   using C = Cfg<kCtaQ, kWG>;
-  constexpr float kNegInf = -INFINITY;
   const TileGeometry t = pw_tile::tile_geometry<kCtaQ, kKvTile>(p, blockIdx.x);
   const int kv_head = blockIdx.y;
   const int cw = (threadIdx.x >> 7) - 1;  // warpgroup 1 + cw
@@ -300,9 +299,8 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
   float o[kORegs];
 #pragma unroll
   for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
-  float s[kSRegs];                   // written by the first S wgmma of every tile (scale-d = 0)
-  float m0 = kNegInf, m1 = kNegInf;  // running max of scaled (log2-domain) logits
-  float l0 = 0.f, l1 = 0.f;          // this thread's partial row sums (quad-reduced at the end)
+  float s[kSRegs];                    // written by the first S wgmma of every tile (scale-d = 0)
+  pw_softmax::OnlineSoftmax softmax;  // rows g and g + 8: running max and row sums
 
   // Issue (no fence, no commit) S = Q K^T for the tile in buffer st: 16 k-steps of 16 head dims, 64-column
   // block kk/4 and +32 B per k-step inside it. s[4n + e] = row (e < 2 ? g : g + 8) of the warp,
@@ -338,7 +336,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
     const int kb = t.kv_start + j * kKvTile;
     const bool full_tile = (kb + kKvTile - 1 <= wq_first) && (wl < 0 || kb >= wq_last - wl);
     if (!full_tile) pw_softmax::mask_tile(at, kb, c4, lo0, qp0, lo1, qp1);
-    pw_softmax::softmax_step(at, sl2, m0, m1, l0, l1, alpha0, alpha1);
+    softmax.step(at, sl2, alpha0, alpha1);
   };
   // P (fp32, in s) -> bf16 wgmma A fragments in pf (same per-warp layout as mma.m16n8k16's A): k-step ks =
   // keys 16ks .. 16ks+15 = S n-tiles 2ks (keys +0..7) and 2ks+1 (keys +8..15). Only with no wgmma in flight.
@@ -422,7 +420,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
       // Release K(j+1). The condition is always true (l0, l1 >= 0, or NaN), but it makes the arrive depend on
       // the softmax, which keeps ptxas from sinking the softmax below the wait for PV(j) (losing the overlap).
       __syncwarp();
-      if (lane == 0 && !(l0 + l1 < 0.f)) mbar_arrive(sm.empty_k(stage_of(j1)));
+      if (lane == 0 && !(softmax.l0 + softmax.l1 < 0.f)) mbar_arrive(sm.empty_k(stage_of(j1)));
       wgmma_wait<0>();  // PV(j) has completed
 #pragma unroll
       for (int i = 0; i < kORegs; ++i) reg_fence(o[i]);
@@ -456,12 +454,8 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
   for (int i = 0; i < kORegs; ++i) reg_fence(o[i]);
 
   // ---- epilogue: normalise, stage this warpgroup's rows as bf16 in its own Q rows, copy out 16 B per lane
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
-  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
-  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
-  const float inv0 = (l0 > 0.f) ? 1.f / l0 : 0.f;
-  const float inv1 = (l1 > 0.f) ? 1.f / l1 : 0.f;
+  float inv0, inv1;
+  softmax.finalize(inv0, inv1);
 
   // Only this warpgroup's S GEMMs ever read its 64 Q rows; all of them have completed once all four warps
   // have passed this barrier.
@@ -476,7 +470,6 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
   __syncwarp();
 
   if (p.lse != nullptr && c4 == 0) {
-    constexpr float kLn2 = 0.69314718055994530942f;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = lrow0 + 8 * h;
@@ -484,10 +477,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
         const int pr = t.row0 + r;
         const int tok = pr / group;
         const int head = kv_head * group + (pr - tok * group);
-        const float l = h ? l1 : l0;
-        const float m = h ? m1 : m0;
-        p.lse[static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head] =
-            (l > 0.f) ? (m + __log2f(l)) * kLn2 : kNegInf;
+        p.lse[static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head] = softmax.lse(h);
       }
     }
   }

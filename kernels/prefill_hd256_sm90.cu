@@ -8,41 +8,24 @@
 //   logits = sm_scale * q.k in fp32; softmax in fp32 (exp2 with log2(e) folded into the scale);
 //   out = softmax . V accumulated in fp32, cast once to bf16. Optional natural-log LSE per (row, q head).
 //
-// Structure (FlashAttention-3-like, warp-specialised):
-//   * CTA = 1 producer warpgroup + kWG consumer warpgroups (128 threads each). Consumer warpgroup c owns the
-//     packed query rows [64c, 64c + 64) of the tile. cta_tile_q 128 -> kWG = 2 (the fast path);
-//     cta_tile_q 64 -> kWG = 1. (cta_tile_q 16 runs the split-KV decode kernel, decode_hd256.cu.)
-//   * Producer: loads Q once (all four warps, 16-byte cp.async), then K(j), V(j) for every 64-key tile j into
-//     buffer j % 2 (2 K and 2 V buffers), waiting on the buffer's "empty" mbarrier (one arrival per consumer
-//     warp) first. Two ways to copy a tile, chosen by the host per call:
-//       - bulk tensor copies (TMA), for page_size 8, 16, 32 or a multiple of 64: the pool is a 4-D tensor map
-//         {head dim, kv head, slot, page}; a tile is 64 / min(page_size, 64) chunks that each lie in one page,
-//         and one copy per 64-column block of a chunk lands, 128-byte swizzled, where the consumers read it
-//         (warp 0 copies K, warp 1 V; lane 4c + b issues chunk c, block b; 4-32 copies per tile). The buffer's
-//         "full" mbarrier completes on the copies' byte count. Chunks reaching past the request's kv_len (the
-//         last tile of a request only) are copied row by row by the warp, zeros past kv_len.
-//       - 16-byte cp.async of every key row, its own page lookup (any page_size): each of the four warps copies
-//         16 rows of K then of V, and "full" counts one cp.async.mbarrier.arrive.noinc per producer thread.
-//     Both read only keys below kv_len (keys outside the tile's visible range are masked by the consumers).
-//   * Consumers: S = Q K^T with 16 x wgmma m64n64k16 (A = Q, B = K, both from shared memory, K-major,
-//     128-byte swizzle); online softmax in registers (fp32, exp2); P re-packed to bf16 A fragments in
-//     registers; O += P V with 4 x wgmma m64n256k16 (A = P from registers, B = V from shared memory, MN-major
-//     i.e. transpose-B). O is 64 x 256 fp32 per warpgroup = 128 registers per thread.
-//   * Per tile the consumer issues S(j+1) = Q K(j+1)^T and O += P(j) V(j) back to back (two asynchronous commit
-//     groups), waits for S(j+1) only, computes softmax(j+1) while PV(j) runs, then waits for PV(j) and rescales O
-//     (FlashAttention-3's intra-warpgroup overlap). Two consumer warpgroups also ping-pong through two named
-//     barriers (FlashAttention-3's warp-scheduler barrier), so one warpgroup's softmax overlaps the other's
-//     GEMMs. cta_tile_q 128 uses setmaxnreg: 168 registers per thread at launch, producer 40, consumers 232.
-//   * Shared memory (dynamic, base rounded up to 1024 B): Q [64*kWG rows], K [2][64], V [2][64], bf16, each
-//     tile stored as four 64-column blocks (one per 128 bytes of a row); inside a block rows are 128 B apart
-//     and 16-byte chunk c of row r sits at chunk c ^ (r & 7) -- exactly the canonical SWIZZLE_128B atom
-//     (8 rows x 128 B = 1024 B) that the wgmma descriptors describe and the bulk copies write. 128-row tile:
-//     Q 64 KB + K/V 128 KB + 1 KB alignment pad = 193 KB; 16/64-row tile: 32 KB + 128 KB + 1 KB = 161 KB. One
-//     CTA per SM.
-//   * KV tiles wholly left of the window are never read: the loop starts at the window's left edge of the
-//     tile's first query row (rounded down to 64) and ends at the last query row's position; inside that range
-//     the cp.async path zero-fills keys outside [left edge, last row's position] instead of reading them, the
-//     bulk path reads them (they are below kv_len); only boundary tiles are masked.
+// Structure (FlashAttention-3-like, warp-specialised), one header per piece:
+//   * CTA = 1 producer warpgroup + kWG consumer warpgroups (128 threads each); consumer warpgroup c owns the
+//     packed query rows [64c, 64c + 64) of the tile. cta_tile_q 128 -> kWG = 2 (the fast path), 64 -> kWG = 1
+//     (cta_tile_q 16 runs the split-KV decode kernel, decode_hd256.cu). 128-row tiles use setmaxnreg: 168
+//     registers per thread at launch, producer 40, consumers 232. Shapes, register budgets, named barriers,
+//     the shared-memory map and the 128-byte swizzle: sm90_config.cuh.
+//   * Producer (sm90_load_pipeline.cuh): Q once with cp.async, then K(j), V(j) of every 64-key tile j into
+//     stage j % 2 behind "empty" / "full" mbarriers, by bulk tensor copies (page_size 8, 16, 32 or a multiple
+//     of 64) or by cp.async (any page_size), chosen by the host per call.
+//   * Consumers (sm90_consumer.cuh): S = Q K^T (wgmma m64n64k16, both operands in shared memory), the mask and
+//     online softmax (online_softmax.cuh, shared with the other kernels), O += P V (wgmma m64n256k16, P from
+//     registers); S(j+1) and PV(j) are issued together and softmax(j+1) overlaps PV(j); two consumer
+//     warpgroups ping-pong through named barriers. Epilogue (sm90_epilogue.cuh): O / l to bf16 through shared
+//     memory, and the LSE.
+//   * KV tiles wholly left of the window are never read (tile_geometry.cuh, shared with prefill_hd256.cu): the
+//     loop starts at the window's left edge of the tile's first query row (rounded down to 64) and ends at the
+//     last query row's position; only boundary tiles are masked.
+//   * PTX wrappers (mbarriers, bulk copies, named barriers, setmaxnreg, wgmma): sm90_ptx.cuh.
 //
 // Plain CUDA C++, no torch headers. Compiles for sm_80 / sm_89 / sm_90a; the kernel body exists only where
 // __CUDA_ARCH_FEAT_SM90_ALL is defined (sm_90a), elsewhere it is empty and the launcher refuses (-12).
@@ -58,255 +41,31 @@
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include "prefill_launch.cuh"      // status codes, PwPrefillParams, argument checks
-#include "online_softmax.cuh"      // mask + online-softmax step shared with prefill_hd256.cu
-#include "ptx_common.cuh"          // PTX helpers both prefill kernels use
+#include "online_softmax.cuh"      // mask + OnlineSoftmax, shared with prefill_hd256.cu and decode_hd256.cu
+#include "tile_geometry.cuh"       // a tile's rows and visible keys from the plan, shared with prefill_hd256.cu
 #include "sm90_ptx.cuh"            // sm_90 PTX: mbarriers, bulk copies, named barriers, setmaxnreg, wgmma
 #include "sm90_config.cuh"         // shapes, thread roles, named barriers, the shared-memory map and swizzle
-#include "tile_geometry.cuh"       // a tile's rows and visible keys from the plan (shared with the other kernels)
 #include "sm90_load_pipeline.cuh"  // the producer warpgroup: Q, then K/V tiles by bulk copy or cp.async
+#include "sm90_consumer.cuh"       // the consumer warpgroups' mainloop: S = QK^T, softmax, O += PV, ping-pong
+#include "sm90_epilogue.cuh"       // O / l to out, and the LSE
 
 
 namespace pw_prefill_sm90 {
 
 using namespace pw_ptx;
-using pw_tile::qpos_of;
 using pw_tile::TileGeometry;
-
 
 // ------------------------------------------------------------------------------------------------ the kernel
 #ifdef PW_SM90_DEVICE_CODE
-// ============================================== consumer warpgroups ==============================================
-// Consumer cw (0..kWG-1) owns packed rows [64 cw, 64 cw + 64) of the tile.
+// A consumer warpgroup's role: its mainloop over the tile's KV tiles, then its epilogue.
 template <int kCtaQ, int kWG>
 __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>& sm) {
-  using C = Cfg<kCtaQ, kWG>;
   const TileGeometry t = pw_tile::tile_geometry<kCtaQ, kKvTile>(p, blockIdx.x);
-  const int kv_head = blockIdx.y;
-  const int cw = (threadIdx.x >> 7) - 1;  // warpgroup 1 + cw
-  const int warp = (threadIdx.x >> 5) & 3;
-  const int lane = threadIdx.x & 31;
-  const int g = lane >> 2;  // accumulator row within the warp's 16 rows (and g + 8)
-  const int c4 = lane & 3;  // accumulator column pair
-  const int group = p.group;
-  const int wl = p.window_left;
-  const int lrow0 =
-      kWarpgroupRows * cw + kAccRowsPerWarp * warp + g;  // this thread's rows: lrow0 (index 0) and lrow0 + 8 (index 1)
-  const int qp0 = qpos_of(t, group, t.row0 + lrow0);
-  const int qp1 = qpos_of(t, group, t.row0 + lrow0 + 8);
-  const int lo0 = (wl >= 0) ? qp0 - wl : 0;
-  const int lo1 = (wl >= 0) ? qp1 - wl : 0;
-  const float sl2 = p.scale_log2;
-  // Query positions spanned by this warpgroup's rows (for the "no mask needed" test).
-  const int wq_first = qpos_of(t, group, t.row0 + kWarpgroupRows * cw);
-  const int wq_last = qpos_of(
-      t, group, t.row0 + max(kWarpgroupRows * cw, min(kWarpgroupRows * cw + kWarpgroupRows - 1, t.rows_valid - 1)));
-
-  // Descriptor low words. Q: this warpgroup's 64 rows start 64 * 128 B into each 64-column block of Q. Q and K
-  // are K-major (LBO unused with the swizzle: 16), V is MN-major (LBO: the next 64 head dims, one block).
-  const uint32_t dq = desc_lo(sm.q + cw * kWarpgroupRows * kBlockRowBytes, kDescLboUnused);
-  const uint32_t dk0 = desc_lo(sm.k, kDescLboUnused);
-  const uint32_t dv0 = desc_lo(sm.v, kKvBlockBytes);
-
-  float o[kORegs];
-#pragma unroll
-  for (int i = 0; i < kORegs; ++i) o[i] = 0.f;
-  float s[kSRegs];                    // written by the first S wgmma of every tile (scale-d = 0)
+  const ConsumerThread th(p);
+  float o[kORegs];                    // O: this thread's fragment of the warpgroup's 64 x 256 fp32 accumulator
   pw_softmax::OnlineSoftmax softmax;  // rows g and g + 8: running max and row sums
-
-  // Issue (no fence, no commit) S = Q K^T for the tile in buffer st: 16 k-steps of 16 head dims, 64-column
-  // block kk/4 and +32 B per k-step inside it. s[4n + e] = row (e < 2 ? g : g + 8) of the warp,
-  // key kb + 8n + 2 c4 + (e & 1).
-  auto gemm_s = [&](int st) {
-    const uint32_t dk = dk0 + st * (kKvBytes >> 4);
-    wgmma_m64n64k16_ss_first(s, make_desc(dq), make_desc(dk));
-#pragma unroll
-    for (int kk = 1; kk < 16; ++kk) {
-      const uint32_t qo = (kk >> 2) * (C::kQBlockBytes >> 4) + (kk & 3) * 2;
-      const uint32_t ko = (kk >> 2) * (kKvBlockBytes >> 4) + (kk & 3) * 2;
-      wgmma_m64n64k16_ss_acc(s, make_desc(dq + qo), make_desc(dk + ko));
-    }
-  };
-  // Issue (no fence, no commit) O += P V for the tile in buffer st: 4 k-steps of 16 keys = rows 16ks.. of V,
-  // +2048 B each (two 8-key groups, SBO = 1024 B). o[4i + e] = row (e < 2 ? g : g + 8) of the warp,
-  // head dim 8i + 2 c4 + (e & 1).
-  uint32_t pf[4][4];  // P of the tile whose PV GEMM is issued next (bf16 wgmma A fragments)
-  auto gemm_pv = [&](int st) {
-    const uint32_t dv = dv0 + st * (kKvBytes >> 4);
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      wgmma_m64n256k16_rs_tb(o, pf[ks][0], pf[ks][1], pf[ks][2], pf[ks][3], make_desc(dv + ks * (kVKStepBytes >> 4)));
-    }
-  };
-
-  // Mask (boundary tiles only) and online softmax of tile j held in s (log2 domain): updates m and l, leaves
-  // P(j) in s (fp32), and returns the factors alpha by which O must be rescaled before P(j) V(j) is added.
-  // Neither O nor pf is touched here: a PV GEMM may still be reading pf and accumulating into O (ptxas
-  // serialises every wgmma if a wgmma input register is written while any wgmma is in flight).
-  auto softmax_p = [&](int j, float& alpha0, float& alpha1) {
-    auto at = [&](int n, int e) -> float& { return s[4 * n + e]; };
-    const int kb = t.kv_start + j * kKvTile;
-    const bool full_tile = (kb + kKvTile - 1 <= wq_first) && (wl < 0 || kb >= wq_last - wl);
-    if (!full_tile) pw_softmax::mask_tile(at, kb, c4, lo0, qp0, lo1, qp1);
-    softmax.step(at, sl2, alpha0, alpha1);
-  };
-  // P (fp32, in s) -> bf16 wgmma A fragments in pf (same per-warp layout as mma.m16n8k16's A): k-step ks =
-  // keys 16ks .. 16ks+15 = S n-tiles 2ks (keys +0..7) and 2ks+1 (keys +8..15). Only with no wgmma in flight.
-  auto pack_p = [&]() {
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      pf[ks][0] = pack_bf16x2(s[8 * ks + 0], s[8 * ks + 1]);  // row g,   keys 2c, 2c+1
-      pf[ks][1] = pack_bf16x2(s[8 * ks + 2], s[8 * ks + 3]);  // row g+8, keys 2c, 2c+1
-      pf[ks][2] = pack_bf16x2(s[8 * ks + 4], s[8 * ks + 5]);  // row g,   keys 8+2c, 8+2c+1
-      pf[ks][3] = pack_bf16x2(s[8 * ks + 6], s[8 * ks + 7]);  // row g+8, keys 8+2c, 8+2c+1
-    }
-  };
-  auto rescale_o = [&](float alpha0, float alpha1) {
-#pragma unroll
-    for (int n = 0; n < 32; ++n) {
-      o[4 * n + 0] *= alpha0;
-      o[4 * n + 1] *= alpha0;
-      o[4 * n + 2] *= alpha1;
-      o[4 * n + 3] *= alpha1;
-    }
-  };
-  auto release = [&](uint32_t bar) {
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bar);
-  };
-
-  // Schedule (per consumer warpgroup; a "turn" = issuing GEMMs, passed between the two consumer warpgroups
-  // through the named barriers kBarSched + cw):
-  //   turn 0: S(0);  wait;  softmax(0) -> P(0)
-  //   for j < n-1:  turn j+1: S(j+1), PV(j);  wait S(j+1);  softmax(j+1) -> P(j+1) while PV(j) runs;
-  //                 wait PV(j);  rescale O
-  //   turn n: PV(n-1);  wait
-  // Each warpgroup takes n_tiles + 1 turns and passes the turn on after each, except consumer 1 after its
-  // last (consumer 1's initial arrive gives consumer 0 its first turn), so every named-barrier generation gets
-  // exactly 256 arrivals: 128 waiting threads + 128 arriving threads. No wgmma is in flight across a loop
-  // edge or a conditional path (ptxas would otherwise serialise every wgmma); the last tile is peeled.
-#pragma unroll
-  for (int i = 0; i < kORegs; ++i) reg_fence(o[i]);  // materialise O = 0 before any wgmma is in flight
-  mbar_wait<false>(sm.q_full(), 0);
-  const int n_tiles = t.n_tiles;
-  if (n_tiles > 0) {  // always true when rows_valid > 0; uniform across the CTA
-    float alpha0, alpha1;
-    // ---- turn 0: S(0)
-    mbar_wait<false>(sm.full_k(0), 0);
-    fence_proxy_async();
-    if constexpr (kWG == 2) {
-      if (cw == 1) named_bar_arrive(kBarSched + 0, kBarSchedThreads);
-      named_bar_sync(kBarSched + cw, kBarSchedThreads);
-    }
-    wgmma_fence();
-    gemm_s(0);
-    wgmma_commit();
-    if constexpr (kWG == 2) named_bar_arrive(kBarSched + (1 - cw), kBarSchedThreads);
-    wgmma_wait<0>();
-#pragma unroll
-    for (int i = 0; i < kSRegs; ++i) reg_fence(s[i]);
-    release(sm.empty_k(0));
-    softmax_p(0, alpha0, alpha1);  // O is 0: no rescale needed
-    pack_p();
-
-#pragma unroll 1
-    for (int j = 0; j < n_tiles - 1; ++j) {
-      const int j1 = j + 1;
-      mbar_wait<false>(sm.full_k(stage_of(j1)), parity_of(j1));
-      mbar_wait<false>(sm.full_v(stage_of(j)), parity_of(j));
-      fence_proxy_async();
-      // ---- turn j+1: S(j+1), then PV(j) (two commit groups, in this order)
-      if constexpr (kWG == 2) named_bar_sync(kBarSched + cw, kBarSchedThreads);
-      wgmma_fence();
-#pragma unroll
-      for (int i = 0; i < kORegs; ++i) reg_fence(o[i]);
-      gemm_s(stage_of(j1));
-      wgmma_commit();
-      gemm_pv(stage_of(j));
-      wgmma_commit();
-      if constexpr (kWG == 2) named_bar_arrive(kBarSched + (1 - cw), kBarSchedThreads);
-      wgmma_wait<1>();  // S(j+1) has completed; PV(j) may still run
-#pragma unroll
-      for (int i = 0; i < kSRegs; ++i) reg_fence(s[i]);
-      softmax_p(j1, alpha0, alpha1);  // overlaps PV(j) on the tensor cores
-      // Release K(j+1). The condition is always true (l0, l1 >= 0, or NaN), but it makes the arrive depend on
-      // the softmax, which keeps ptxas from sinking the softmax below the wait for PV(j) (losing the overlap).
-      __syncwarp();
-      if (lane == 0 && !(softmax.l0 + softmax.l1 < 0.f)) mbar_arrive(sm.empty_k(stage_of(j1)));
-      wgmma_wait<0>();  // PV(j) has completed
-#pragma unroll
-      for (int i = 0; i < kORegs; ++i) reg_fence(o[i]);
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        reg_fence_u32(pf[ks][0]);
-        reg_fence_u32(pf[ks][1]);
-        reg_fence_u32(pf[ks][2]);
-        reg_fence_u32(pf[ks][3]);
-      }
-      release(sm.empty_v(stage_of(j)));
-      rescale_o(alpha0, alpha1);
-      pack_p();
-    }
-
-    // ---- turn n: PV(n-1)
-    mbar_wait<false>(sm.full_v(stage_of(n_tiles - 1)), parity_of(n_tiles - 1));
-    fence_proxy_async();
-    if constexpr (kWG == 2) named_bar_sync(kBarSched + cw, kBarSchedThreads);
-    wgmma_fence();
-#pragma unroll
-    for (int i = 0; i < kORegs; ++i) reg_fence(o[i]);
-    gemm_pv(stage_of(n_tiles - 1));
-    wgmma_commit();
-    if constexpr (kWG == 2) {
-      if (cw == 0) named_bar_arrive(kBarSched + 1, kBarSchedThreads);
-    }
-    wgmma_wait<0>();
-  }
-#pragma unroll
-  for (int i = 0; i < kORegs; ++i) reg_fence(o[i]);
-
-  // ---- epilogue: normalise, stage this warpgroup's rows as bf16 in its own Q rows, copy out 16 B per lane
-  float inv0, inv1;
-  softmax.finalize(inv0, inv1);
-
-  // Only this warpgroup's S GEMMs ever read its 64 Q rows; all of them have completed once all four warps
-  // have passed this barrier.
-  named_bar_sync(kBarEpilogue + cw, kWarpgroupThreads);
-#pragma unroll
-  for (int n = 0; n < 32; ++n) {
-    // head dims 8n .. 8n+7 = 16-byte chunk n: block n / 8, chunk (n % 8) ^ (row % 8), row % 8 == g
-    const uint32_t a = sm.q + (n >> 3) * C::kQBlockBytes + lrow0 * kBlockRowBytes + (((n & 7) ^ g) << 4) + c4 * 4;
-    st_shared_b32(a, pack_bf16x2(o[4 * n + 0] * inv0, o[4 * n + 1] * inv0));
-    st_shared_b32(a + 8 * kBlockRowBytes, pack_bf16x2(o[4 * n + 2] * inv1, o[4 * n + 3] * inv1));
-  }
-  __syncwarp();
-
-  if (p.lse != nullptr && c4 == 0) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = lrow0 + 8 * h;
-      if (r < t.rows_valid) {
-        const int pr = t.row0 + r;
-        const int tok = pr / group;
-        const int head = kv_head * group + (pr - tok * group);
-        p.lse[static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head] = softmax.lse(h);
-      }
-    }
-  }
-
-  // The warp reads back exactly the 16 rows it wrote.
-#pragma unroll 4
-  for (int i = 0; i < kAccRowsPerWarp; ++i) {
-    const int r = kWarpgroupRows * cw + kAccRowsPerWarp * warp + i;
-    if (r < t.rows_valid) {
-      const int pr = t.row0 + r;
-      const int tok = pr / group;
-      const int head = kv_head * group + (pr - tok * group);
-      const uint4 v = ld_shared_v4(sm.q + sw128<C::kRowsQ>(r, lane));
-      __nv_bfloat16* dst =
-          p.out + (static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head) * kHeadDim + lane * kChunkElems;
-      *reinterpret_cast<uint4*>(dst) = v;
-    }
-  }
+  consumer_mainloop<kCtaQ, kWG>(p, sm, t, th, o, softmax);
+  consumer_epilogue<kCtaQ, kWG>(p, sm, t, th, o, softmax);
 }
 #endif  // PW_SM90_DEVICE_CODE
 
@@ -323,21 +82,23 @@ __global__ void __launch_bounds__(Cfg<kCtaQ, kWG>::kThreads, Cfg<kCtaQ, kWG>::kM
   __shared__ __align__(8) unsigned long long bars[C::kNumBarriers];
   extern __shared__ __align__(16) unsigned char smem[];  // base rounded up to 1024 B at run time
 
-  if (static_cast<int>(blockIdx.x) >= p.plan_scalars[2]) return;                      // grid x is a capacity
+  // Setup: the tile (the grid's x is a capacity; a tile past its request's rows has nothing to do), the
+  // shared-memory map, the pipeline's mbarriers.
+  if (static_cast<int>(blockIdx.x) >= p.plan_scalars[2]) return;
   if (pw_tile::tile_geometry<kCtaQ, kKvTile>(p, blockIdx.x).rows_valid <= 0) return;  // uniform across the CTA
-
   const Smem<kCtaQ, kWG> sm(smem, bars);
   if (threadIdx.x == 0) init_pipeline_barriers<kCtaQ, kWG, kTma>(sm);
   __syncthreads();
 
-  if (threadIdx.x < kProducerThreads) {  // warpgroup 0
+  // Role dispatch. Each role recomputes the tile geometry after setmaxnreg, so that few values are live across it.
+  if (threadIdx.x < kProducerThreads) {  // warpgroup 0: the producer
     if constexpr (C::kSetMaxNReg) setmaxnreg_dec<C::kProducerRegs>();
     if constexpr (kTma) {
       producer_tma<kCtaQ, kWG>(p, sm, &map_k, &map_v);
     } else {
       producer_cp_async<kCtaQ, kWG>(p, sm);
     }
-  } else {
+  } else {  // warpgroups 1 .. kWG: the consumers (mainloop, then epilogue)
     if constexpr (C::kSetMaxNReg) setmaxnreg_inc<C::kConsumerRegs>();
     consumer<kCtaQ, kWG>(p, sm);
   }

@@ -6,6 +6,8 @@
 // V [kStages][64], bf16. A tile of R rows is four 64-column blocks (one per 128 bytes of a row) of R rows 128 B
 // apart; inside a block 16-byte chunk c of row r sits at chunk c ^ (r & 7): the canonical SWIZZLE_128B layout
 // (atom 8 rows x 128 B = 1024 B) that the wgmma descriptors describe and the bulk tensor copies write.
+// 128-row tile: Q 64 KB + K/V 128 KB + 1 KB alignment pad = 193 KB; 64-row tile: 32 KB + 128 KB + 1 KB = 161 KB.
+// One CTA per SM.
 #pragma once
 
 #include <stdint.h>

@@ -15,7 +15,8 @@
 //   * producer_tma: bulk tensor copies (page_size 8, 16, 32 or a multiple of 64) through two tensor maps over
 //     the pool, {head dim, kv head, slot, page}, written with the 128-byte swizzle;
 //   * producer_cp_async: 16-byte cp.async of every key row with its own page lookup (any page_size).
-// Both load Q first with cp.async and read only keys below kv_len.
+// Both load Q first with cp.async and read only keys below kv_len. The cp.async path zero-fills keys outside
+// [kv_lo, kv_hi) instead of reading them; the bulk path reads them, and the consumers mask them.
 #pragma once
 
 #include <cuda_bf16.h>

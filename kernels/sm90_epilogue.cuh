@@ -1,0 +1,76 @@
+// pagedwindow: the Hopper prefill kernel's (prefill_hd256_sm90.cu) epilogue, run by each consumer warpgroup
+// after its mainloop: normalise O by 1/l, write the bf16 rows to `out` through shared memory, and the LSE.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#include "online_softmax.cuh"  // OnlineSoftmax
+#include "ptx_common.cuh"      // pack_bf16x2, shared loads and stores
+#include "sm90_config.cuh"     // Cfg, Smem, sw128, shapes, named barriers
+#include "sm90_consumer.cuh"   // ConsumerThread
+#include "sm90_ptx.cuh"        // named barriers
+#include "tile_geometry.cuh"   // TileGeometry
+
+#ifdef PW_SM90_DEVICE_CODE
+namespace pw_prefill_sm90 {
+
+using pw_tile::TileGeometry;
+
+// The epilogue of consumer warpgroup cw after its mainloop: O / l as bf16, staged in the warpgroup's own Q rows
+// (the same swizzled layout), then copied out 16 B per lane, one 512-byte row per warp instruction; and the LSE.
+template <int kCtaQ, int kWG>
+__device__ __forceinline__ void consumer_epilogue(const Params& p, const Smem<kCtaQ, kWG>& sm, const TileGeometry& t,
+                                                  const ConsumerThread& th, const float (&o)[kORegs],
+                                                  pw_softmax::OnlineSoftmax& softmax) {
+  using C = Cfg<kCtaQ, kWG>;
+  const int kv_head = th.kv_head, cw = th.cw, warp = th.warp, lane = th.lane, g = th.g, c4 = th.c4;
+  const int group = th.group;
+  const int lrow0 = th.lrow0;
+
+  float inv0, inv1;
+  softmax.finalize(inv0, inv1);
+
+  // Only this warpgroup's S GEMMs ever read its 64 Q rows; all of them have completed once all four warps
+  // have passed this barrier.
+  named_bar_sync(kBarEpilogue + cw, kWarpgroupThreads);
+#pragma unroll
+  for (int n = 0; n < kORegs / 4; ++n) {
+    // head dims 8n .. 8n+7 = 16-byte chunk n: block n / 8, chunk (n % 8) ^ (row % 8), row % 8 == g
+    const uint32_t a = sm.q + (n >> 3) * C::kQBlockBytes + lrow0 * kBlockRowBytes + (((n & 7) ^ g) << 4) + c4 * 4;
+    st_shared_b32(a, pack_bf16x2(o[4 * n + 0] * inv0, o[4 * n + 1] * inv0));
+    st_shared_b32(a + 8 * kBlockRowBytes, pack_bf16x2(o[4 * n + 2] * inv1, o[4 * n + 3] * inv1));
+  }
+  __syncwarp();
+
+  if (p.lse != nullptr && c4 == 0) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = lrow0 + 8 * h;
+      if (r < t.rows_valid) {
+        const int pr = t.row0 + r;
+        const int tok = pr / group;
+        const int head = kv_head * group + (pr - tok * group);
+        p.lse[static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head] = softmax.lse(h);
+      }
+    }
+  }
+
+  // The warp reads back exactly the 16 rows it wrote.
+#pragma unroll 4
+  for (int i = 0; i < kAccRowsPerWarp; ++i) {
+    const int r = kWarpgroupRows * cw + kAccRowsPerWarp * warp + i;
+    if (r < t.rows_valid) {
+      const int pr = t.row0 + r;
+      const int tok = pr / group;
+      const int head = kv_head * group + (pr - tok * group);
+      const uint4 v = ld_shared_v4(sm.q + sw128<C::kRowsQ>(r, lane));
+      __nv_bfloat16* dst =
+          p.out + (static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head) * kHeadDim + lane * kChunkElems;
+      *reinterpret_cast<uint4*>(dst) = v;
+    }
+  }
+}
+
+}  // namespace pw_prefill_sm90
+#endif  // PW_SM90_DEVICE_CODE

@@ -147,8 +147,10 @@ static int ensure_smem(int device) {
   int optin = 0;
   cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (e != cudaSuccess) return static_cast<int>(e);
-  // The static barriers (< 128 B) come on top of the dynamic bytes.
-  if (optin < bytes + 128) return PW_PREFILL_ERR_SMEM_UNAVAILABLE;
+  // The static barriers come on top of the dynamic bytes.
+  constexpr int kStaticBytesBound = 128;
+  static_assert(sizeof(unsigned long long) * Cfg<kCtaQ, kWG>::kNumBarriers <= kStaticBytesBound, "barriers");
+  if (optin < bytes + kStaticBytesBound) return PW_PREFILL_ERR_SMEM_UNAVAILABLE;
   e = cudaFuncSetAttribute(pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, kTma>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            bytes);
   if (e != cudaSuccess) return static_cast<int>(e);

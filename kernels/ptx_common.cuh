@@ -1,5 +1,5 @@
 // pagedwindow: PTX helpers the kernels share (prefill_hd256.cu, prefill_hd256_sm90.cu, decode_hd256.cu,
-// prepare_qkv.cu).
+// prepare_qkv.cu). The sm_90-only ones (mbarriers, bulk copies, wgmma, ...) are in sm90_ptx.cuh.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -38,7 +38,7 @@ def test_good_plan_arrays():
     assert plan.page_indptr.tolist() == [0, 2, 3]
     assert plan.last_page_len.tolist() == [2, 3]
     assert plan.qo_indptr.tolist() == [0, 4, 7]
-    assert plan.cta_tile_q == 16  # 7 tokens * group 2 = 14 packed rows fit one 16-row tile
+    assert plan.cta_tile_q == 16  # no request has more than 16 packed rows (4 and 3 tokens at group 2)
     assert plan.request_indices.tolist() == [0, 1] and plan.qo_tile_indices.tolist() == [0, 0]
     assert (plan.max_page_index, plan.max_last_page_len) == (3, 3)
     assert plan.page_indices.dtype == torch.int32
@@ -53,9 +53,9 @@ def test_tile_constants_are_shared():
 @pytest.mark.parametrize(
     "seq_lens, group, tile, reason",
     [
-        ([8], 2, 16, "all 16 packed rows fit one 16-row tile"),
-        ([4, 0, 4], 2, 16, "all 16 packed rows fit one 16-row tile"),
-        ([0], 4, 16, "all 0 packed rows fit one 16-row tile"),
+        ([8], 2, 16, "policy sm_90: at most 16 packed rows per request (decode)"),
+        ([4, 0, 4], 2, 16, "policy sm_90: at most 8 packed rows per request (decode)"),
+        ([0], 4, 16, "policy sm_90: at most 0 packed rows per request (decode)"),
         ([9], 2, 64, "policy sm_90: 18 packed rows per request < 128"),
         ([1, 1, 1, 1, 1, 1, 1, 1, 1], 2, 16, "policy sm_90: at most 2 packed rows per request (decode)"),
         ([8, 3, 0, 8], 2, 16, "policy sm_90: at most 16 packed rows per request (decode)"),
@@ -94,7 +94,8 @@ def test_tile_for_capacity_on_a_cpu_host(tokens, batch, tile, reason):
 
 def test_plans_take_the_policy_tile_and_an_explicit_tile_wins():
     small = build(page_indices=[[0]], last_page_lens=[3], start_positions=[0], seq_lens=[3], device="cpu")
-    assert small.cta_tile_q == 16 and small.num_tiles == 1 and "16-row tile" in small.tile_reason
+    assert small.cta_tile_q == 16 and small.num_tiles == 1
+    assert small.tile_reason == "policy sm_90: at most 6 packed rows per request (decode)"
     big = build(page_indices=[[3, 1, 2, 4, 5]], last_page_lens=[1], start_positions=[0], seq_lens=[17], device="cpu")
     assert (big.cta_tile_q, big.num_tiles) == (64, 1)
     assert big.tile_reason == "policy sm_90: 34 packed rows per request < 128"

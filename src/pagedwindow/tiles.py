@@ -63,12 +63,10 @@ def tile_for_batch(
     """The default tile for a batch with these new-row counts (``seq_lens [batch]``, summing to ``total_tokens``
     when given); returns (tile, reason)."""
     capability, sm_count = device_traits(device)
-    total = (int(seq_lens.sum()) if total_tokens is None else total_tokens) * group  # packed rows
-    if total <= 16:
-        return 16, f"policy sm_{capability[0]}{capability[1]}: all {total} packed rows fit one 16-row tile"
     busiest = int(seq_lens.max()) * group  # packed rows of the largest request
     if busiest <= 16:
         return 16, f"policy sm_{capability[0]}{capability[1]}: at most {busiest} packed rows per request (decode)"
+    total = (int(seq_lens.sum()) if total_tokens is None else total_tokens) * group  # packed rows
     if capability == (9, 0):
         mean = total / np.count_nonzero(seq_lens)  # packed rows per request with new rows
         if mean < 128:

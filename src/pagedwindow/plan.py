@@ -796,18 +796,17 @@ class _DeviceMirror:
             self.offsets_address = self.offsets.ctypes.data
         self.fitted = capacity
 
-    def ensure_split_kv(self, unit_floats: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The split-KV scratch on this mirror's device, made on first need and kept with the mirror (pooled with
-        it): ``SPLIT_KV_UNITS_PER_SM`` units per SM of ``unit_floats`` fp32 each, and a zeroed int32 counter per
-        unit (the kernel leaves the counters zero after every launch)."""
+    def ensure_split_kv(self, unit_floats: int) -> None:
+        """Give the mirror ``split_kv``, the split-KV scratch on its device, unless it has one of this unit size:
+        ``SPLIT_KV_UNITS_PER_SM`` units per SM of ``unit_floats`` fp32 each, and a zeroed int32 counter per unit
+        (the kernel leaves the counters zero after every launch). It stays with the mirror, pooled with it."""
         found = self.split_kv
         if found is None or len(found[0]) != len(found[1]) * unit_floats:
             units = SPLIT_KV_UNITS_PER_SM * device_traits(self.storage.device)[1]
-            found = self.split_kv = (
+            self.split_kv = (
                 torch.empty(units * unit_floats, dtype=torch.float32, device=self.storage.device),  # [units*unit]
                 torch.zeros(units, dtype=torch.int32, device=self.storage.device),  # [units]
             )
-        return found
 
     def upload(self, state: _PlanState, cap: PlanCapacity) -> None:
         """Copy ``state`` asynchronously on the device's current stream: its live entries, in one copy (an
@@ -1193,11 +1192,15 @@ class PrefillPagedPlan:
         self._version += 1
         self._derived = {}
         self.launch_cache = {}
-        split_floats = _split_kv_unit_floats(state)
         for mirror in self._mirrors.values():
-            mirror.upload(state, self.capacity)
-            if split_floats:
-                mirror.ensure_split_kv(split_floats)
+            self._install(mirror, state)
+
+    def _install(self, mirror: _DeviceMirror, state: _PlanState) -> None:
+        """Upload ``state`` to ``mirror`` and give the mirror the split-KV workspace ``state``'s launches need."""
+        mirror.upload(state, self.capacity)
+        split_floats = _split_kv_unit_floats(state)
+        if split_floats:
+            mirror.ensure_split_kv(split_floats)
 
     def _mirror(self, device: torch.device) -> _DeviceMirror:
         mirror = self._mirrors.get(device)
@@ -1206,10 +1209,7 @@ class PrefillPagedPlan:
             if not self._mirrors:  # the first mirror: at the plan's end, its mirrors go to the pool
                 _pool_at_end(self)
             if self._state is not None:
-                mirror.upload(self._state, self.capacity)
-                split_floats = _split_kv_unit_floats(self._state)
-                if split_floats:
-                    mirror.ensure_split_kv(split_floats)
+                self._install(mirror, self._state)
             self._mirrors[device] = mirror
         return mirror
 
@@ -1220,18 +1220,15 @@ class PrefillPagedPlan:
         them after every update). None for other tiles and on the CPU. A unit holds one split's 16 partial rows
         and their 16 log-sum-exps; ``units`` is ``SPLIT_KV_UNITS_PER_SM`` per SM. The kernels' scratch: writing it
         (the counters above all) corrupts the plan's next launches."""
-        split_floats = _split_kv_unit_floats(self._require())
-        if not split_floats:
+        if not _split_kv_unit_floats(self._require()):
             return None
         mirror = self._mirrors.get(device)
         if mirror is None:
-            device = torch.device(device)
-            if device.type != "cuda":
-                return None
             cuda_device = _cuda_device(device)
-            assert cuda_device is not None  # a CUDA device
+            if cuda_device is None:
+                return None
             mirror = self._mirror(cuda_device)
-        return mirror.ensure_split_kv(split_floats)
+        return mirror.split_kv  # given by _install with the state
 
     def device_buffer(self, device) -> torch.Tensor:
         """The whole int32 plan buffer on ``device`` at capacity (segments at ``capacity.segment_offsets()`` in

@@ -22,12 +22,15 @@ def main() -> int:
 
 def attention_cases() -> float:
     worst = 0.0
-    for tile in (16, 64, 128):
-        gen = torch.Generator().manual_seed(tile)
+    # (seed, seq_lens, start_positions, tile, window_left): each tile on a ragged batch; then decode at the
+    # policy's tile 16 (the split-KV kernel) with no window, whose 3000-key request splits across units.
+    cases = [(tile, [70, 0, 9], [30, 4, 0], tile, 13) for tile in (16, 64, 128)]
+    cases.append((16, [1, 1, 3], [3000, 7, 640], None, -1))
+    for seed, seqs, starts, tile, window_left in cases:
         case = random_batch(
-            gen,
-            seq_lens=[70, 0, 9],
-            start_positions=[30, 4, 0],
+            torch.Generator().manual_seed(seed),
+            seq_lens=seqs,
+            start_positions=starts,
             page_size=5,
             num_qo_heads=16,
             num_kv_heads=8,
@@ -37,38 +40,13 @@ def attention_cases() -> float:
             cta_tile_q=tile,
         )
         pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan, backend="cuda")
-        out = pw.batch_prefill_paged_window(
-            case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.0625, window_left=13, backend="cuda"
-        )
-        ref = pw.batch_prefill_paged_window(
-            case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.0625, window_left=13, backend="reference"
-        )
+        assert tile is not None or case.plan.cta_tile_q == 16, case.plan.describe()
+        inputs = (case.q, case.pool, case.layout, case.layer, case.plan)
+        for _ in range(2):  # the second launch finds the split counters the first one left
+            out = pw.batch_prefill_paged_window(*inputs, sm_scale=0.0625, window_left=window_left, backend="cuda")
+        ref = pw.batch_prefill_paged_window(*inputs, sm_scale=0.0625, window_left=window_left, backend="reference")
         torch.cuda.synchronize()
         worst = max(worst, (out.float() - ref.float()).abs().max().item())
-    # Decode (the policy's tile 16: the split-KV kernel), no window: the 3000-key request splits across units.
-    gen = torch.Generator().manual_seed(16)
-    case = random_batch(
-        gen,
-        seq_lens=[1, 1, 3],
-        start_positions=[3000, 7, 640],
-        page_size=5,
-        num_qo_heads=16,
-        num_kv_heads=8,
-        head_dim=256,
-        dtype=torch.bfloat16,
-        device="cuda",
-    )
-    assert case.plan.cta_tile_q == 16, case.plan.describe()
-    pw.append_paged_kv(case.k, case.v, case.pool, case.layout, case.layer, case.plan, backend="cuda")
-    for _ in range(2):  # the second launch finds the split counters the first one left
-        out = pw.batch_prefill_paged_window(
-            case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.0625, window_left=-1, backend="cuda"
-        )
-    ref = pw.batch_prefill_paged_window(
-        case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.0625, window_left=-1, backend="reference"
-    )
-    torch.cuda.synchronize()
-    worst = max(worst, (out.float() - ref.float()).abs().max().item())
     # A preallocated plan re-planned in place between launches (the serving path: async upload, fixed tile).
     gen = torch.Generator().manual_seed(1)
     plan = pw.PrefillPagedPlan.preallocated(

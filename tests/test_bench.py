@@ -71,7 +71,7 @@ def test_the_serving_workloads_shapes():
 
 
 def test_the_decode_sweep_covers_batch_length_and_window_within_its_memory_bound():
-    points = bench.sweep_workloads(decode_only=True)
+    points = bench.sweep_workloads(bench_sweep.sweep_slices(decode_only=True))
     assert len({w.name for w in points}) == len(points)
     for w in points:
         assert set(w.seq_lens) == {1} and len(set(w.kv_lens)) == 1
@@ -84,9 +84,11 @@ def test_the_decode_sweep_covers_batch_length_and_window_within_its_memory_bound
 
 
 def test_the_sweep_spans_every_axis_the_bench_promises():
-    points = bench.sweep_workloads()
+    points = bench.sweep_workloads(bench_sweep.sweep_slices())
     names = [w.name for w in points]
-    assert len(set(names)) == len(names) and set(bench.sweep_workloads(decode_only=True)) <= set(points)
+    assert len(set(names)) == len(names) and set(
+        bench.sweep_workloads(bench_sweep.sweep_slices(decode_only=True))
+    ) <= set(points)
     assert {len(w.seq_lens) for w in points} >= {1, 4, 16, 64, 256, 512}
     assert {w.seq_lens[0] for w in points} >= {1, 16, 128, 1024, 4096, 32768}
     assert {w.start_positions[0] for w in points} >= {0, 1024, 8192, 32768, 131072}

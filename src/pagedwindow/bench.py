@@ -31,7 +31,7 @@ import torch
 
 import pagedwindow as pw
 
-from .bench_sweep import SweepPoint, slower_points, sweep_slices, sweep_summary
+from .bench_sweep import SweepPoint, SweepSlice, slower_points, sweep_slices, sweep_summary
 from .measure.bench_results import FLASHINFER_SYSTEMS, SYSTEMS, flashinfer_ratios
 from .semantics import key_visible
 from .testing import pages_in_turn, random_pages
@@ -113,9 +113,9 @@ def sweep_workload(point: SweepPoint) -> Workload:
     )
 
 
-def sweep_workloads(*, decode_only: bool = False) -> list[Workload]:
-    """Every point of :func:`bench_sweep.sweep_slices` as a workload, slice by slice."""
-    return [sweep_workload(p) for s in sweep_slices(decode_only=decode_only) for p in s.points]
+def sweep_workloads(slices: list[SweepSlice]) -> list[Workload]:
+    """Every point of ``slices`` (:func:`bench_sweep.sweep_slices`) as a workload, slice by slice."""
+    return [sweep_workload(p) for s in slices for p in s.points]
 
 
 def gpu_slug(name: str) -> str:
@@ -525,7 +525,7 @@ def run_bench(
     device = torch.device("cuda")
     chosen = [WORKLOADS[n] for n in (workloads or (() if sweep or decode_sweep else WORKLOADS))]
     slices = sweep_slices(decode_only=not sweep) if sweep or decode_sweep else []
-    chosen += [sweep_workload(p) for s in slices for p in s.points]
+    chosen += sweep_workloads(slices)
     systems = list(systems or SYSTEMS)
     reps, sets, loops = (10, 2, 3) if quick else (50, 3, 5)
     peak = gemm_tflops(device)

@@ -311,12 +311,7 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
 
     if (tile_splits == 1) {
       // ---- the whole tile in this unit: stage the rows as bf16 in Q's place, copy out 16 B per lane
-#pragma unroll
-      for (int d = 0; d < 32; ++d) {
-        const uint32_t a = sQ + g * kRowBytes + ((d ^ g) << 4) + c4 * 4;  // (g & 7) == g
-        st_shared_b32(a, pack_bf16x2(o[d][0] * inv0, o[d][1] * inv0));
-        st_shared_b32(a + 8 * kRowBytes, pack_bf16x2(o[d][2] * inv1, o[d][3] * inv1));
-      }
+      store_acc_rows_bf16(sQ, 0, o, inv0, inv1, g, c4);
       __syncwarp();
       if (p.lse != nullptr && c4 == 0) {
 #pragma unroll

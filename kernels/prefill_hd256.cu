@@ -297,13 +297,7 @@ __global__ void __launch_bounds__(kWarps * 32, (kWarps == 4 ? 2 : 1)) pw_prefill
   softmax.finalize(inv0, inv1);
 
   // Only this warp ever reads its 16 Q rows, so it may overwrite them now.
-  const int wrow = warp * 16 + g;
-#pragma unroll
-  for (int n = 0; n < 32; ++n) {
-    const uint32_t a = sQ + wrow * kRowBytes + ((n ^ g) << 4) + c4 * 4;  // (wrow & 7) == g
-    st_shared_b32(a, pack_bf16x2(o[n][0] * inv0, o[n][1] * inv0));
-    st_shared_b32(a + 8 * kRowBytes, pack_bf16x2(o[n][2] * inv1, o[n][3] * inv1));
-  }
+  store_acc_rows_bf16(sQ, warp * 16, o, inv0, inv1, g, c4);
   __syncwarp();
 
   if (p.lse != nullptr && c4 == 0) {

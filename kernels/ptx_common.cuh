@@ -76,4 +76,20 @@ __device__ __forceinline__ void mma_bf16_16816(float (&d)[4], uint32_t a0, uint3
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Write a warp's 16 x 256 fp32 mma.sync m16n8k16 accumulator (o[n]: columns 8n .. 8n + 7; this lane holds rows
+// g = lane / 4 and g + 8, columns 2 c4 and 2 c4 + 1 with c4 = lane % 4), rows scaled by inv0 and inv1, as bf16
+// into shared-memory rows row0 .. row0 + 15 of 512 bytes from `base` (row r's 16-byte chunk c at chunk c ^ (r & 7):
+// the kernels' swizzle; row0 % 8 == 0, so row row0 + g swizzles by g).
+constexpr int kAccRowBytes = 512;  // one bf16 row of head_dim 256
+__device__ __forceinline__ void store_acc_rows_bf16(uint32_t base, int row0, const float (&o)[32][4], float inv0,
+                                                    float inv1, int g, int c4) {
+  const int row = row0 + g;
+#pragma unroll
+  for (int n = 0; n < 32; ++n) {
+    const uint32_t a = base + row * kAccRowBytes + ((n ^ g) << 4) + c4 * 4;
+    st_shared_b32(a, pack_bf16x2(o[n][0] * inv0, o[n][1] * inv0));
+    st_shared_b32(a + 8 * kAccRowBytes, pack_bf16x2(o[n][2] * inv1, o[n][3] * inv1));
+  }
+}
+
 }  // namespace pw_ptx

@@ -146,13 +146,14 @@ def sweep_summary(records: list[dict], slices: list[SweepSlice]) -> list[dict]:
     ms, FlashInfer's best kernel ms and which backend, and ``speedup`` = FlashInfer's best / ours (None where a
     time is missing)."""
     ms = {(r["workload"], r["system"]): r.get("ms") for r in records}
+    run = {r["workload"] for r in records}
     rows = []
     for s in slices:
         for p in s.points:
+            if p.name not in run:
+                continue
             ours = ms.get((p.name, "pagedwindow"))
             peers = [(ms[(p.name, f)], f) for f in FLASHINFER_SYSTEMS if ms.get((p.name, f)) is not None]
-            if ours is None and not peers and (p.name, "pagedwindow") not in ms:
-                continue  # not run
             best_ms, best = min(peers) if peers else (None, None)
             rows.append(
                 {

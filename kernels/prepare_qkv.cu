@@ -14,10 +14,15 @@
 // to kStageBytes of its head rows: q heads, then K heads, then V heads); CTA c takes units c, c + grid, ... up to
 // the device-side total_tokens, so a captured graph stays valid after an in-place plan update. Each CTA keeps
 // kStages - 1 units' rows in flight: cp.async copies them into shared-memory stages while it computes the unit
-// before them, and computes the next unit's D/2 (cos, sin) pairs into the other half of a double-buffered table.
+// before them, and computes the next unit's rotation table into the other half of a double-buffered table.
 // One __syncthreads per unit hands a stage and a table from the copies to the compute and back. In the compute,
 // a warp takes rows w, w + 8, ...; lane l holds elements [l*E, (l+1)*E) of a row, E = D/32, so lanes 0-15 hold the
 // first half and lane l ^ 16 holds the rotation partner.
+//
+// The rotation table folds the norm's factor f (w or 1 + w) into the angles, per unit and per tensor (q, k):
+// A[i] = f[i] cos a, B[i] = -f[i + D/2] sin a, A[i + D/2] = f[i + D/2] cos a, B[i + D/2] = f[i] sin a (a = a_i),
+// so that a row's element is y[i] = r (x[i] A[i] + x[partner(i)] B[i]) with r = rsqrt(mean(x^2) + eps): the
+// math above, its products taken in another order (fp32 throughout, one rounding to the output dtype).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -62,10 +67,18 @@ __host__ __device__ constexpr int rows_per_unit() {
   return kStageBytes / (D * static_cast<int>(sizeof(T)));
 }
 
-// Dynamic shared memory: the stages, the double-buffered (cos, sin) table, then the q and k norms' factors.
+// Floats of one unit's rotation table: [q, k][A, B][D].
+template <int D>
+__host__ __device__ constexpr int table_floats() {
+  return 2 * 2 * D;
+}
+
+constexpr int kUnitSlotBytes = 32;  // one published Unit (sizeof(Unit) <= 32, checked in the kernel)
+
+// Dynamic shared memory: the stages, the double-buffered rotation table, then two published units.
 template <int D>
 __host__ __device__ constexpr int smem_bytes() {
-  return kStages * kStageBytes + (2 * 2 * (D / 2) + 2 * D) * static_cast<int>(sizeof(float));
+  return kStages * kStageBytes + 2 * table_floats<D>() * static_cast<int>(sizeof(float)) + 2 * kUnitSlotBytes;
 }
 
 // CTAs an SM holds (the register cap; shared memory allows 3): 3 up to head_dim 256, 2 at 512.
@@ -127,14 +140,30 @@ struct alignas(E * sizeof(T) < 16 ? E * sizeof(T) : 16) Chunk {
   T v[E];
 };
 
-// The norm's factor w (gemma4) or 1 + w (gemma3) in fp32, for all D elements, into shared memory.
-template <typename T, int D>
-__device__ __forceinline__ void fill_factor(const void* w, bool fp32, bool gemma4, float* out) {
-  for (int i = threadIdx.x; i < D; i += kThreads) {
-    const float x = fp32 ? static_cast<const float*>(w)[i] : Convert<T>::to_float(static_cast<const T*>(w)[i]);
-    out[i] = gemma4 ? x : 1.0f + x;
-  }
+// The partner lane's (l ^ 16) chunk, moved as 32-bit words (two bf16 / fp16 elements per shuffle).
+template <typename T, int E>
+__device__ __forceinline__ Chunk<T, E> partner_chunk(const Chunk<T, E>& mine) {
+  static_assert(E * sizeof(T) % 4 == 0, "a chunk is a whole number of 32-bit words");
+  constexpr int kWords = E * static_cast<int>(sizeof(T)) / 4;
+  Chunk<T, E> theirs;
+  const uint32_t* const from = reinterpret_cast<const uint32_t*>(&mine);
+  uint32_t* const to = reinterpret_cast<uint32_t*>(&theirs);
+#pragma unroll
+  for (int w = 0; w < kWords; ++w) to[w] = __shfl_xor_sync(kFullMask, from[w], kPartnerLaneXor);
+  return theirs;
 }
+
+// The norm's factor w (gemma4) or 1 + w (gemma3) in fp32 at element i.
+template <typename T>
+__device__ __forceinline__ float norm_factor(const void* w, bool fp32, bool gemma4, int i) {
+  const float x = fp32 ? static_cast<const float*>(w)[i] : Convert<T>::to_float(static_cast<const T*>(w)[i]);
+  return gemma4 ? x : 1.0f + x;
+}
+
+// The four factors thread i < D/2 folds into its rotation-table entries, per tensor: f[i] and f[i + D/2].
+struct Factors {
+  float q_lo, q_hi, k_lo, k_hi;
+};
 
 // The head rows of one token: q heads, then K heads, then V heads.
 struct TokenRows {
@@ -162,23 +191,38 @@ __device__ __forceinline__ void split_unit(long long u, int units_per_token, int
   *row0 = static_cast<int>(u - static_cast<long long>(*token) * units_per_token) * kRowsPerUnit;
 }
 
-// Copy unit u's rows into a stage: chunk c of the unit lands at byte 16 c of the stage.
+// Copy unit u's rows into a stage: chunk c of the unit (row c / kChunksPerRow) lands at byte 16 c of the stage.
+// A thread copies one column of chunks, in rows kRowStep apart; each row's source is found from the token's
+// q, k and v rows without a division.
 template <typename T, int D, int kRowsPerUnit>
 __device__ __forceinline__ void copy_unit(const Params& p, TokenRows r, long long u, int units_per_token,
                                           uint32_t stage) {
-  constexpr int kChunksPerRow = D * static_cast<int>(sizeof(T)) / kCopyBytes;
+  constexpr int kRowBytes = D * static_cast<int>(sizeof(T));
+  constexpr int kChunksPerRow = kRowBytes / kCopyBytes;
+  static_assert(kThreads % kChunksPerRow == 0, "a thread copies one column of chunks");
+  constexpr int kRowStep = kThreads / kChunksPerRow;
   int t, row0;
   split_unit<kRowsPerUnit>(u, units_per_token, &t, &row0);
   const int n = min(kRowsPerUnit, r.count() - row0);
-  for (int c = threadIdx.x; c < n * kChunksPerRow; c += kThreads) {
-    const int row = c / kChunksPerRow, col = c % kChunksPerRow;
-    pw_ptx::cp_async_16(stage + c * kCopyBytes,
-                        reinterpret_cast<const char*>(source_row<T, D>(p, r, t, row0 + row)) + col * kCopyBytes,
-                        kCopyBytes);
+  const int col = threadIdx.x % kChunksPerRow;
+  const long long byte = static_cast<long long>(col) * kCopyBytes;
+  const char* const q_t = static_cast<const char*>(p.q) + static_cast<long long>(t) * r.hq * kRowBytes + byte;
+  const char* const k_t = static_cast<const char*>(p.k) + static_cast<long long>(t) * r.hkv * kRowBytes + byte;
+  const char* const v_t = static_cast<const char*>(p.v) + static_cast<long long>(t) * r.hkv * kRowBytes + byte;
+#pragma unroll
+  for (int i = 0; i < kRowsPerUnit / kRowStep; ++i) {
+    const int row = threadIdx.x / kChunksPerRow + i * kRowStep;
+    if (row >= n) break;
+    const int h = row0 + row;
+    const char* const src = h < r.hq           ? q_t + static_cast<long long>(h) * kRowBytes
+                            : h < r.hq + r.hkv ? k_t + static_cast<long long>(h - r.hq) * kRowBytes
+                                               : v_t + static_cast<long long>(h - r.hq - r.hkv) * kRowBytes;
+    pw_ptx::cp_async_16(stage + (row * kChunksPerRow + col) * kCopyBytes, src, kCopyBytes);
   }
 }
 
-// Where one unit's rows go, from the plan (every thread of the CTA finds the same answer).
+// Where one unit's rows go, from the plan. The warps that fill the rotation tables find it; thread 0 publishes
+// it in shared memory for the others.
 struct Unit {
   int token, row0;
   int pos;         // the token's KV position; -1 when the plan does not place it (then nothing is written)
@@ -213,19 +257,33 @@ __device__ __forceinline__ Unit locate(const Params& p, TokenRows r, long long u
   return a;
 }
 
-// cos and sin of float(pos) * inv_freq[i] for i < D/2: the fp32 angle the math defines, its cos and sin in fp64
-// through half-turns (the reduction mod 2 is exact, so no large-argument path and no stack frame at any position).
+// The rotation table of KV position pos (layout: table_floats). Thread i < D/2 takes angle i: float(pos) *
+// inv_freq[i], the fp32 angle the math defines, with its cos and sin in fp64 through half-turns (the reduction
+// mod 2 is exact, so no large-argument path and no stack frame at any position), rounded to fp32 and multiplied
+// by the factors in `f` (thread i's own).
 template <int D>
-__device__ __forceinline__ void fill_table(const Params& p, int pos, float* cos_a, float* sin_a) {
-  for (int i = threadIdx.x; i < D / 2; i += kThreads) {
-    const float angle = static_cast<float>(pos) * p.inv_freq[i];
-    const double half_turns = static_cast<double>(angle) * kInvPi;
-    const double reduced = half_turns - 2.0 * rint(0.5 * half_turns);  // in [-1, 1]
-    double s, c;
-    sincospi(reduced, &s, &c);
-    cos_a[i] = static_cast<float>(c);
-    sin_a[i] = static_cast<float>(s);
-  }
+__device__ __forceinline__ void fill_table(const Params& p, int pos, const Factors& f, float* table) {
+  constexpr int kHalf = D / 2;
+  const int i = threadIdx.x;
+  if (i >= kHalf) return;
+  const float angle = static_cast<float>(pos) * p.inv_freq[i];
+  const double half_turns = static_cast<double>(angle) * kInvPi;
+  const double reduced = half_turns - 2.0 * rint(0.5 * half_turns);  // in [-1, 1]
+  double sd, cd;
+  sincospi(reduced, &sd, &cd);
+  const float c = static_cast<float>(cd), s = static_cast<float>(sd);
+  float* const q_a = table;  // [D] A, then [D] B, for q; the same for k after them
+  float* const q_b = q_a + D;
+  float* const k_a = q_b + D;
+  float* const k_b = k_a + D;
+  q_a[i] = f.q_lo * c;
+  q_a[i + kHalf] = f.q_hi * c;
+  q_b[i] = -f.q_hi * s;
+  q_b[i + kHalf] = f.q_lo * s;
+  k_a[i] = f.k_lo * c;
+  k_a[i + kHalf] = f.k_hi * c;
+  k_b[i] = -f.k_hi * s;
+  k_b[i + kHalf] = f.k_lo * s;
 }
 
 template <typename T, int D>
@@ -234,12 +292,15 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm<D>()) pw_prepare_q
   constexpr int kHalf = D / 2;
   constexpr int kRowsPerUnit = rows_per_unit<T, D>();
   constexpr int kRowsPerWarp = kRowsPerUnit / kWarps;
+  constexpr int kTable = table_floats<D>();
+  static_assert(kHalf <= kThreads, "one thread per angle");
   using Row = Chunk<T, E>;
   extern __shared__ __align__(16) unsigned char smem[];
   T* const stages = reinterpret_cast<T*>(smem);                                 // [kStages][kRowsPerUnit][D]
-  float* const table = reinterpret_cast<float*>(smem + kStages * kStageBytes);  // [2][cos, sin][kHalf]
-  float* const factor_q = table + 2 * D;                                        // [D]
-  float* const factor_k = factor_q + D;                                         // [D]
+  float* const table = reinterpret_cast<float*>(smem + kStages * kStageBytes);  // [2][q, k][A, B][D]
+  Unit* const slots = reinterpret_cast<Unit*>(table + 2 * kTable);              // [2] units n and n + 1
+  static_assert(sizeof(Unit) <= kUnitSlotBytes, "a unit fits its slot");
+  constexpr int kTableThreads = (kHalf + kWarpSize - 1) / kWarpSize * kWarpSize;  // the warps that fill tables
 
   const int total = min(p.plan_scalars[1], p.token_capacity);
   const int batch = min(p.plan_scalars[0], p.batch_capacity);
@@ -261,15 +322,25 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm<D>()) pw_prepare_q
   }
 
   const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
-  const int c0 = lane * E;         // this lane's first element of a row
-  const bool upper = c0 >= kHalf;  // second half of the row: x' = x cos + partner sin
-  const int f0 = upper ? c0 - kHalf : c0;
+  const int c0 = lane * E;  // this lane's first element of a row
   const bool gemma4 = p.norm_style == kGemma4;
-  fill_factor<T, D>(p.q_weight, p.weight_fp32 != 0, gemma4, factor_q);  // published by the loop's first barrier
-  fill_factor<T, D>(p.k_weight, p.weight_fp32 != 0, gemma4, factor_k);
+  Factors f{};  // thread i < D/2's factors, for every unit's table
+  if (threadIdx.x < kHalf) {
+    const bool fp32 = p.weight_fp32 != 0;
+    f.q_lo = norm_factor<T>(p.q_weight, fp32, gemma4, threadIdx.x);
+    f.q_hi = norm_factor<T>(p.q_weight, fp32, gemma4, threadIdx.x + kHalf);
+    f.k_lo = norm_factor<T>(p.k_weight, fp32, gemma4, threadIdx.x);
+    f.k_hi = norm_factor<T>(p.k_weight, fp32, gemma4, threadIdx.x + kHalf);
+  }
 
-  Unit cur = locate<D, kRowsPerUnit>(p, r, u, units_per_token, batch);
-  if (cur.valid()) fill_table<D>(p, cur.pos, table, table + kHalf);
+  // The table warps locate each unit (they need its position for the table); thread 0 publishes it in slot n & 1,
+  // read by every thread after the loop's barrier, so the other warps skip the plan lookups.
+  const bool locates = threadIdx.x < kTableThreads;  // warp-uniform
+  if (locates) {
+    const Unit first = locate<D, kRowsPerUnit>(p, r, u, units_per_token, batch);
+    if (threadIdx.x == 0) slots[0] = first;
+    if (first.valid()) fill_table<D>(p, first.pos, f, table);  // published by the loop's first barrier
+  }
 
   for (int n = 0; u < units; ++n, u += grid) {
     pw_ptx::cp_async_wait<kStages - 2>();  // this thread's copies of unit n have landed
@@ -281,16 +352,17 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm<D>()) pw_prepare_q
       pw_ptx::cp_async_commit();
     }
 
-    // The next unit's plan lookups are issued before this unit's compute, so their latency overlaps it.
+    const Unit cur = slots[n & 1];
+    // The next unit's plan lookups are issued before this unit's compute and used after it, so their latency
+    // overlaps it.
     Unit next;
     next.pos = -1;
-    if (u + grid < units) next = locate<D, kRowsPerUnit>(p, r, u + grid, units_per_token, batch);
+    if (locates && u + grid < units) next = locate<D, kRowsPerUnit>(p, r, u + grid, units_per_token, batch);
 
     if (cur.valid()) {
       const int rows = min(kRowsPerUnit, r.count() - cur.row0);
       const T* const stage = stages + (n % kStages) * (kStageBytes / sizeof(T));
-      const float* const cos_a = table + (n & 1) * D;
-      const float* const sin_a = cos_a + kHalf;
+      const float* const unit_table = table + (n & 1) * kTable;
       // This warp's rows w, w + 8, ... in three passes over all of them (loads and squares, the butterfly sums,
       // then norm, RoPE and store), so the rows' shuffles and loads overlap.
       // (The rows stay in the stage between the passes: reading them twice costs less than holding them.)
@@ -330,30 +402,29 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm<D>()) pw_prepare_q
           *dst = raw;
           continue;
         }
-        const float inv_rms = 1.0f / sqrtf(sum_sq[b] / static_cast<float>(D) + p.eps);
+        const float inv_rms = rsqrtf(sum_sq[b] / static_cast<float>(D) + p.eps);
         Row y;
         if (is_v) {
 #pragma unroll
           for (int j = 0; j < E; ++j) y.v[j] = Convert<T>::from_float(Convert<T>::to_float(raw.v[j]) * inv_rms);
-        } else {
-          const float* const factor = (is_q ? factor_q : factor_k) + c0;
-          float xn[E];
-#pragma unroll
-          for (int j = 0; j < E; ++j) xn[j] = Convert<T>::to_float(raw.v[j]) * inv_rms * factor[j];
+        } else {  // warp-uniform branch: every lane of the warp shuffles with its partner
+          const Row partner = partner_chunk<T, E>(raw);
+          const float* const rot_a = unit_table + (is_q ? 0 : 2 * D) + c0;  // A, then B D floats later
+          const float* const rot_b = rot_a + D;
 #pragma unroll
           for (int j = 0; j < E; ++j) {
-            const float partner = __shfl_xor_sync(kFullMask, xn[j], kPartnerLaneXor);
-            const float sn = upper ? sin_a[f0 + j] : -sin_a[f0 + j];  // the sign of the partner's term
-            y.v[j] = Convert<T>::from_float(xn[j] * cos_a[f0 + j] + partner * sn);
+            const float x = Convert<T>::to_float(raw.v[j]), xp = Convert<T>::to_float(partner.v[j]);
+            y.v[j] = Convert<T>::from_float((x * rot_a[j] + xp * rot_b[j]) * inv_rms);
           }
         }
         *dst = y;
       }
     }
 
-    // The next unit's angle table, into the half unit n - 1 read (published by the next iteration's barrier).
-    if (next.valid()) fill_table<D>(p, next.pos, table + ((n + 1) & 1) * D, table + ((n + 1) & 1) * D + kHalf);
-    cur = next;
+    // The next unit, and its rotation table, into the slot and the half of the table unit n - 1 used (both
+    // published by the next iteration's barrier).
+    if (threadIdx.x == 0) slots[(n + 1) & 1] = next;
+    if (next.valid()) fill_table<D>(p, next.pos, f, table + ((n + 1) & 1) * kTable);
   }
 }
 

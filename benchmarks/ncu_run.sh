@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Profile one pagedwindow launch with Nsight Compute (device machine, repository root, after device_run.sh has
-# built the kernels): bash benchmarks/ncu_run.sh WORKLOAD TILE LABEL. Clocks are left as the card runs them.
+# built the kernels): bash benchmarks/ncu_run.sh WORKLOAD TILE LABEL [KERNEL_REGEX]. WORKLOAD and TILE as
+# benchmarks/profile_case.py takes them (TILE "default": the policy's); KERNEL_REGEX picks the kernel profiled
+# (default pw_prefill; e.g. pw_decode, pw_prepare_qkv). Clocks are left as the card runs them.
 # Writes $OUT/ncu-LABEL.txt (the sections) and $OUT/ncu-LABEL-hotspots.txt (stall samples per instruction).
 set -uo pipefail
 OUT=${OUT:-/tmp/pw-out}
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PAGEDWINDOW_CACHE_DIR=${PAGEDWINDOW_CACHE_DIR:-/tmp/pagedwindow-cache}
 rep=/tmp/ncu-$3
-ncu --clock-control none --kernel-name regex:pw_prefill --launch-skip 1 --launch-count 1 --import-source no \
+ncu --clock-control none --kernel-name "regex:${4:-pw_prefill}" --launch-skip 1 --launch-count 1 --import-source no \
   --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
   --section SchedulerStats --section WarpStateStats --section SourceCounters --section LaunchStats \
   -f -o "$rep" python3 benchmarks/profile_case.py "$1" "$2" >/dev/null 2>&1 || echo "ncu rc=$?"

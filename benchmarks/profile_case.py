@@ -1,22 +1,40 @@
 """One pagedwindow launch of a benchmark workload, for a profiler (``ncu``) to attach to.
 
-``python3 benchmarks/profile_case.py prefill_8x2048 128`` runs the workload twice (a warm-up, then the profiled
-launch) with the given plan tile.
+``python3 benchmarks/profile_case.py NAME [TILE]`` runs the workload twice (a warm-up, then the profiled launch).
+NAME is an attention workload of ``pagedwindow.bench`` (``prefill_8x2048``), a point of the sweep
+(``decode_b1_kv4096_w1023``; ``pagedwindow.bench_sweep``), or a prep workload (``prep_8192``: one
+``prepare_paged_qkv`` call). TILE is the attention plan's ``cta_tile_q`` (default: the policy's).
 """
 
 import sys
 
 import torch
 
-from pagedwindow import bench
+from pagedwindow import bench, bench_prep
+from pagedwindow.bench_sweep import sweep_slices
+
+
+def make_call(name: str, tile: int | None):
+    """The zero-argument call that launches workload ``name`` once on the current CUDA device."""
+    device, gen = torch.device("cuda"), torch.Generator().manual_seed(0)
+    if name in bench_prep.PREP_WORKLOADS:
+        w = bench_prep.PREP_WORKLOADS[name]
+        return bench_prep.system_pagedwindow(w, bench_prep.make_prep_inputs(w, gen, device)).call
+    points = {p.name: p for s in sweep_slices() for p in s.points}
+    if name in points:
+        w = bench.sweep_workload(points[name])
+    elif name in bench.WORKLOADS:
+        w = bench.WORKLOADS[name]
+    else:
+        raise SystemExit(f"unknown workload {name!r}: not in bench.WORKLOADS, the sweep or bench_prep.PREP_WORKLOADS")
+    call, _ = bench.system_pagedwindow(w, bench.make_inputs(w, gen, device, tile))
+    return call
 
 
 def main() -> int:
     name = sys.argv[1] if len(sys.argv) > 1 else "prefill_8x2048"
-    tile = int(sys.argv[2]) if len(sys.argv) > 2 else None
-    w = bench.WORKLOADS[name]
-    inputs = bench.make_inputs(w, torch.Generator().manual_seed(0), torch.device("cuda"), tile)
-    call, _ = bench.system_pagedwindow(w, inputs)
+    tile = int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2] != "default" else None
+    call = make_call(name, tile)
     call()
     call()
     torch.cuda.synchronize()

@@ -161,6 +161,44 @@ def test_sweep_table_lists_every_slower_point_and_the_heat_maps_draw(tmp_path):
     fig.savefig(tmp_path / "sweep.png")
 
 
+def test_merge_results_joins_runs_of_other_systems_and_recomputes_the_sweep(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    slices = bench_sweep.sweep_slices(decode_only=True)
+    a, b = (p.name for p in slices[0].points[:2])
+    base = {"gpu": "NVIDIA H200", "date": "2026-12-04", "peak_bf16_tflops": 800.0, "tile_override": None}
+    ours = _sweep_records({(a, "pagedwindow"): 0.010, (a, "flashinfer_fa2"): 0.013, (b, "pagedwindow"): 0.020})
+    fa3 = _sweep_records({(a, "flashinfer_fa3"): 0.011, (b, "flashinfer_fa3"): 0.016})
+    first, second = tmp_path / "run-a.json", tmp_path / "run-b.json"
+    first.write_text(json.dumps({**base, "label": "a", "records": ours, "allocations_per_10_calls": {a: 0}}))
+    second.write_text(json.dumps({**base, "date": "2026-12-05", "label": "b", "records": fa3, "sweep": []}))
+
+    path = bench.merge_results([first, second], tmp_path / "out", "merged")
+    assert path.name == "h200-2026-12-04-merged.json"  # the first run's date
+    merged = json.loads(path.read_text())
+    assert [(r["workload"], r["system"]) for r in merged["records"]] == [
+        (a, "pagedwindow"),
+        (a, "flashinfer_fa2"),
+        (a, "flashinfer_fa3"),
+        (b, "pagedwindow"),
+        (b, "flashinfer_fa3"),
+    ]
+    assert merged["merged_from"] == ["run-a.json", "run-b.json"] and merged["allocations_per_10_calls"] == {a: 0}
+    speedups = {r["workload"]: (r["flashinfer_best"], r["speedup"]) for r in merged["sweep"]}
+    assert speedups[a] == ("flashinfer_fa3", pytest.approx(1.1))  # fa3 from the second run is the best peer
+    assert speedups[b] == ("flashinfer_fa3", pytest.approx(0.8))
+    assert "slower than FlashInfer's best (kernel time) at 1:" in path.with_suffix(".md").read_text()
+    assert path.with_name("h200-2026-12-04-merged-sweep.png").stat().st_size > 0
+
+    second.write_text(json.dumps({**base, "records": _sweep_records({(b, "pagedwindow"): 0.02})}))
+    with pytest.raises(ValueError, match="more than one run"):
+        bench.merge_results([first, second], tmp_path / "out", "twice")
+    second.write_text(json.dumps({**base, "gpu": "NVIDIA H100", "records": fa3}))
+    with pytest.raises(ValueError, match="different GPUs"):
+        bench.merge_results([first, second], tmp_path / "out", "other")
+
+
 @pytest.mark.parametrize("name", ["decode_256x2000_p32", "prefill_8x2048", "chunk_512_on_30000"])
 def test_paged_csr_encodes_each_requests_kv(name):
     w = bench.WORKLOADS[name]

@@ -584,6 +584,39 @@ def run_bench(
     return 0
 
 
+def merge_results(paths, out, label: str) -> Path:
+    """One result from bench runs made on one GPU that timed different systems of the same workloads (a peer timed
+    in a later call, say): their records together, a workload's records in the order of ``paths``, and the sweep
+    summary recomputed over all of them. Refuses runs from other GPUs or with one (workload, system) twice. Writes
+    ``<gpu>-<date of the first>-<label>.json`` / ``.md`` and the plots into ``out``; returns the JSON's path."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    first = runs[0]
+    if any(r["gpu"] != first["gpu"] for r in runs):
+        raise ValueError(f"runs from different GPUs: {sorted({r['gpu'] for r in runs})}")
+    seen: set[tuple[str, str]] = set()
+    for r in runs:
+        for rec in r["records"]:
+            key = (rec["workload"], rec["system"])
+            if key in seen:
+                raise ValueError(f"{key} is timed in more than one run")
+            seen.add(key)
+    order = list(dict.fromkeys(rec["workload"] for r in runs for rec in r["records"]))
+    records = [rec for w in order for r in runs for rec in r["records"] if rec["workload"] == w]
+    result = dict(first, label=label, records=records, merged_from=[Path(p).name for p in paths])
+    result["allocations_per_10_calls"] = {k: v for r in runs for k, v in r.get("allocations_per_10_calls", {}).items()}
+    if any("sweep" in r for r in runs):
+        result["sweep"] = sweep_summary(
+            records, sweep_slices(decode_only=not any(rec["workload"].startswith("sweep_") for rec in records))
+        )
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{result_stem(result['gpu'], result['date'], label)}.json"
+    path.write_text(json.dumps(result, indent=1))
+    path.with_suffix(".md").write_text(markdown_table(result))
+    write_plots(path)
+    return path
+
+
 def write_plots(path: Path) -> None:
     """Throughput and speed-up PNGs beside the results JSON, and the sweep's heat maps when it holds a sweep."""
     import matplotlib

@@ -1,0 +1,52 @@
+"""Kernel time of pagedwindow at each given tile for a few batch shapes (the tile policy's evidence).
+
+``python3 benchmarks/tile_probe.py`` prints one row per shape: the policy's tile and the kernel ms at tiles 16, 64
+and 128 (median of ``bench.median_ms`` over two input sets), each checked against the reference first.
+"""
+
+import torch
+
+from pagedwindow import bench
+from pagedwindow.tiles import tile_for_batch
+
+SHAPES = (  # (requests, new tokens each, cached keys each, window_left)
+    (1, 16, 0, 1023),
+    (64, 16, 0, 1023),
+    (512, 16, 0, 1023),
+    (64, 16, 4096, 1023),
+    (64, 8, 4096, 1023),
+    (16, 32, 4096, 1023),
+    (64, 32, 0, 1023),
+    (1, 1024, 0, 0),
+    (32, 64, 0, 1023),
+)
+TILES = (16, 64, 128)
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    print("| requests | new | cached | window | policy tile | " + " | ".join(f"tile {t} ms" for t in TILES) + " |")
+    print("|---|---|---|---|---|" + "---|" * len(TILES))
+    for batch, new, cached, window in SHAPES:
+        w = bench.Workload(f"probe_b{batch}_n{new}_c{cached}", (new,) * batch, (cached,) * batch, window, 16)
+        seq = torch.tensor(w.seq_lens).numpy()
+        policy, _ = tile_for_batch(seq, 2, 8, device)
+        cells = []
+        for tile in TILES:
+            gen = torch.Generator().manual_seed(0)
+            sets = [bench.make_inputs(w, gen, device, tile) for _ in range(2)]
+            want = bench.reference_output(w, sets[0])
+            made = [bench.system_pagedwindow(w, inp) for inp in sets]
+            for call, _ in made:
+                call()
+            torch.cuda.synchronize()
+            err = (made[0][1]().float() - want).abs().max().item()
+            ms = bench.median_ms([call for call, _ in made], 20)
+            cells.append(f"{ms:.4f}" + ("" if err < 0.05 else f" (err {err:.3f})"))
+            del sets, made
+            torch.cuda.empty_cache()
+        print(f"| {batch} | {new} | {cached} | {window} | {policy} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

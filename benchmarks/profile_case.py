@@ -20,13 +20,10 @@ def make_call(name: str, tile: int | None):
     if name in bench_prep.PREP_WORKLOADS:
         w = bench_prep.PREP_WORKLOADS[name]
         return bench_prep.system_pagedwindow(w, bench_prep.make_prep_inputs(w, gen, device)).call
-    points = {p.name: p for s in sweep_slices() for p in s.points}
-    if name in points:
-        w = bench.sweep_workload(points[name])
-    elif name in bench.WORKLOADS:
-        w = bench.WORKLOADS[name]
-    else:
+    workloads = {**bench.WORKLOADS, **{w.name: w for w in bench.sweep_workloads(sweep_slices())}}
+    if name not in workloads:
         raise SystemExit(f"unknown workload {name!r}: not in bench.WORKLOADS, the sweep or bench_prep.PREP_WORKLOADS")
+    w = workloads[name]
     call, _ = bench.system_pagedwindow(w, bench.make_inputs(w, gen, device, tile))
     return call
 

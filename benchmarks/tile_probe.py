@@ -4,6 +4,7 @@
 and 128 (median of ``bench.median_ms`` over two input sets), each checked against the reference first.
 """
 
+import numpy as np
 import torch
 
 from pagedwindow import bench
@@ -18,6 +19,7 @@ SHAPES = (  # (requests, new tokens each, cached keys each, window_left)
     (16, 32, 4096, 1023),
     (64, 32, 0, 1023),
     (1, 1024, 0, 0),
+    (1, 1024, 32768, -1),
     (32, 64, 0, 1023),
 )
 TILES = (16, 64, 128)
@@ -29,8 +31,7 @@ def main() -> None:
     print("|---|---|---|---|---|" + "---|" * len(TILES))
     for batch, new, cached, window in SHAPES:
         w = bench.Workload(f"probe_b{batch}_n{new}_c{cached}", (new,) * batch, (cached,) * batch, window, 16)
-        seq = torch.tensor(w.seq_lens).numpy()
-        policy, _ = tile_for_batch(seq, 2, 8, device)
+        policy, _ = tile_for_batch(np.array(w.seq_lens), bench.HQ // bench.HKV, bench.HKV, device)
         cells = []
         for tile in TILES:
             gen = torch.Generator().manual_seed(0)

@@ -171,14 +171,6 @@ struct TokenRows {
   __device__ __forceinline__ int count() const { return hq + 2 * hkv; }
 };
 
-// Source of head row h of token t (elements).
-template <typename T, int D>
-__device__ __forceinline__ const T* source_row(const Params& p, TokenRows r, int t, int h) {
-  if (h < r.hq) return static_cast<const T*>(p.q) + (static_cast<long long>(t) * r.hq + h) * D;
-  if (h < r.hq + r.hkv) return static_cast<const T*>(p.k) + (static_cast<long long>(t) * r.hkv + h - r.hq) * D;
-  return static_cast<const T*>(p.v) + (static_cast<long long>(t) * r.hkv + h - r.hq - r.hkv) * D;
-}
-
 // Unit u's token and first row (a unit is a token's rows [row0, row0 + kRowsPerUnit), clipped to its rows).
 template <int kRowsPerUnit>
 __device__ __forceinline__ void split_unit(long long u, int units_per_token, int* token, int* row0) {
@@ -201,6 +193,7 @@ __device__ __forceinline__ void copy_unit(const Params& p, TokenRows r, long lon
   constexpr int kChunksPerRow = kRowBytes / kCopyBytes;
   static_assert(kThreads % kChunksPerRow == 0, "a thread copies one column of chunks");
   constexpr int kRowStep = kThreads / kChunksPerRow;
+  static_assert(kRowsPerUnit % kRowStep == 0, "the passes below cover every row of a unit");
   int t, row0;
   split_unit<kRowsPerUnit>(u, units_per_token, &t, &row0);
   const int n = min(kRowsPerUnit, r.count() - row0);
@@ -312,7 +305,7 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm<D>()) pw_prepare_q
   long long u = blockIdx.x;
   if (u >= units) return;
 
-  // Prologue: kStages - 1 units in flight before the first plan lookup and angle table.
+  // Prologue: kStages - 1 units in flight before the first plan lookup and rotation table.
   const uint32_t stage0 = pw_ptx::smem_addr(stages);
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {

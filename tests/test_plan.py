@@ -50,32 +50,66 @@ def test_tile_constants_are_shared():
     assert tiles.device_traits(torch.device("cpu")) == ((9, 0), 132)
 
 
+def _waves(tile: int, waves128: int, waves64: int) -> str:
+    """The Hopper policy's reason for a batch that needs these waves at tiles 128 and 64."""
+    return (
+        f"policy sm_90: tile {tile}, waves x rows {waves128} x 128 = {waves128 * 128} at 128, "
+        f"{waves64} x 64 x 1.35 = {waves64 * 64 * 1.35:.0f} at 64"
+    )
+
+
 @pytest.mark.parametrize(
-    "seq_lens, group, tile, reason",
+    "seq_lens, kv_len, group, tile, reason",
     [
-        ([8], 2, 16, "policy sm_90: at most 16 packed rows per request (decode)"),
-        ([4, 0, 4], 2, 16, "policy sm_90: at most 8 packed rows per request (decode)"),
-        ([0], 4, 16, "policy sm_90: at most 0 packed rows per request (decode)"),
-        ([9], 2, 64, "policy sm_90: 18 packed rows per request < 128"),
-        ([1, 1, 1, 1, 1, 1, 1, 1, 1], 2, 16, "policy sm_90: at most 2 packed rows per request (decode)"),
-        ([8, 3, 0, 8], 2, 16, "policy sm_90: at most 16 packed rows per request (decode)"),
-        ([1] * 40 + [9], 2, 64, "policy sm_90: 2 packed rows per request < 128"),  # one request past 16 rows
-        ([64], 2, 64, "policy sm_90: 8 CTAs at tile 128 leave some of 132 SMs idle"),  # too few CTAs for 128
-        ([1024] * 17, 2, 128, "policy sm_90: 2048 packed rows per request >= 128, 2176 CTAs"),
-        ([256], 2, 64, "policy sm_90: 32 CTAs at tile 128"),  # a 256-token chunk: 4 tiles x 8 heads
-        ([63], 2, 64, "policy sm_90: 126 packed rows per request < 128"),
-        ([200, 1, 0, 0], 1, 64, "policy sm_90: 100 packed rows per request < 128"),  # idle requests do not count
-        # the 128-row grid sums ceil(rows / 128) over the requests: 16 + 1 tiles x 8 heads = 136 CTAs fill 132 SMs ...
-        ([2047, 1, 0], 1, 128, "policy sm_90: 1024 packed rows per request >= 128, 136 CTAs"),
-        # ... and without the 1-row request's tile 16 x 8 = 128 CTAs do not
-        ([2047, 0], 1, 64, "policy sm_90: 128 CTAs at tile 128 leave some of 132 SMs idle"),
-        ([2048, 16], 1, 128, "policy sm_90: 1032 packed rows per request >= 128, 136 CTAs"),
-        ([32] * 40, 8, 128, "policy sm_90: 256 packed rows per request >= 128, 640 CTAs"),
+        ([8], 8, 2, 16, "policy sm_90: at most 16 packed rows per request (decode)"),
+        ([4, 0, 4], 4096, 2, 16, "policy sm_90: at most 8 packed rows per request (decode)"),
+        ([0], 1, 4, 16, "policy sm_90: at most 0 packed rows per request (decode)"),
+        ([1, 1, 1, 1, 1, 1, 1, 1, 1], 9, 2, 16, "policy sm_90: at most 2 packed rows per request (decode)"),
+        ([8, 3, 0, 8], 1 << 20, 2, 16, "policy sm_90: at most 16 packed rows per request (decode)"),
+        # a few new tokens on a short context: tile 16 while packed rows x keys stays within SHORT_WORK ...
+        ([9], 9, 2, 16, "policy sm_90: at most 18 packed rows x 9 keys per request (short)"),
+        ([16] * 64, 128, 2, 16, "policy sm_90: at most 32 packed rows x 128 keys per request (short)"),
+        ([32] * 64, 64, 2, 16, "policy sm_90: at most 64 packed rows x 64 keys per request (short)"),
+        ([1] * 40 + [9], 9, 2, 16, "policy sm_90: at most 18 packed rows x 9 keys per request (short)"),
+        # ... and past it, or past SHORT_ROWS, the prefill tiles: one wave either way, so 64
+        ([16] * 64, 129, 2, 64, _waves(64, 4, 4)),
+        ([9], 1000, 2, 64, _waves(64, 1, 1)),
+        ([33], 33, 2, 64, _waves(64, 1, 1)),
+        ([200, 1, 0, 0], 200, 1, 64, _waves(64, 1, 1)),  # idle requests make no tiles
+        ([512], 4608, 2, 64, _waves(64, 1, 1)),  # a 512-token chunk: 64 CTAs at 128, 128 at 64
+        # a second wave at 64 but not at 128: 128 (a 1024-token prompt: 128 CTAs at 128, 256 at 64)
+        ([1024], 1024, 2, 128, _waves(128, 1, 2)),
+        ([2047, 0], 2047, 1, 128, _waves(128, 1, 2)),
+        # many waves: the per-row cost decides (48 tokens: 96 rows, one 128-row tile or two 64-row tiles)
+        ([48] * 64, 48, 2, 128, _waves(128, 4, 8)),
+        ([1024] * 17, 1024, 2, 128, _waves(128, 17, 33)),
+        ([32] * 40, 32, 8, 128, _waves(128, 5, 10)),
+        # 80 rows: one 128-row tile or two 64-row tiles
+        ([40] * 64, 4096, 2, 128, _waves(128, 4, 8)),
     ],
 )
-def test_tile_for_batch_on_a_cpu_host_is_the_hopper_rule(seq_lens, group, tile, reason):
-    got = tiles.tile_for_batch(np.array(seq_lens, dtype=np.int64), group, 8, "cpu")
-    assert got[0] == tile and reason in got[1], got
+def test_tile_for_batch_on_a_cpu_host_is_the_hopper_rule(seq_lens, kv_len, group, tile, reason):
+    asked = []
+    got = tiles.tile_for_batch(
+        np.array(seq_lens, dtype=np.int64), group, 8, "cpu", longest_kv_len=lambda: asked.append(1) or kv_len
+    )
+    assert got == (tile, reason), got
+    assert len(asked) == (16 < max(seq_lens) * group <= tiles.SHORT_ROWS)  # asked only when the rule needs it
+
+
+def test_tile_for_batch_off_hopper_is_16_or_64(monkeypatch):
+    monkeypatch.setattr(tiles, "_devices", {0: ((8, 0), 108)})
+    ampere = torch.device("cuda", 0)
+    assert tiles.tile_for_batch(np.array([8]), 2, 8, ampere, longest_kv_len=lambda: 9)[0] == 16
+    assert tiles.tile_for_batch(np.array([16]), 2, 8, ampere, longest_kv_len=lambda: 16) == (
+        16,
+        "policy sm_80: at most 32 packed rows x 16 keys per request (short)",
+    )
+    for seq in ([16], [1024] * 64):
+        assert tiles.tile_for_batch(np.array(seq), 2, 8, ampere, longest_kv_len=lambda: 4096) == (
+            64,
+            "policy sm_80: mma.sync kernel",
+        )
 
 
 @pytest.mark.parametrize(
@@ -96,23 +130,24 @@ def test_plans_take_the_policy_tile_and_an_explicit_tile_wins():
     small = build(page_indices=[[0]], last_page_lens=[3], start_positions=[0], seq_lens=[3], device="cpu")
     assert small.cta_tile_q == 16 and small.num_tiles == 1
     assert small.tile_reason == "policy sm_90: at most 6 packed rows per request (decode)"
-    big = build(page_indices=[[3, 1, 2, 4, 5]], last_page_lens=[1], start_positions=[0], seq_lens=[17], device="cpu")
-    assert (big.cta_tile_q, big.num_tiles) == (64, 1)
-    assert big.tile_reason == "policy sm_90: 34 packed rows per request < 128"
-    # 136 packed rows per request, but only 2 tiles x 2 KV heads = 4 CTAs at tile 128 on 132 SMs: 64
+    # 17 new tokens, 17 keys: 34 packed rows x 17 keys, short, so the decode kernel's tiles
+    short = build(page_indices=[[3, 1, 2, 4, 5]], last_page_lens=[1], start_positions=[0], seq_lens=[17], device="cpu")
+    assert (short.cta_tile_q, short.num_tiles) == (16, 3)
+    assert short.tile_reason == "policy sm_90: at most 34 packed rows x 17 keys per request (short)"
+    # 136 packed rows: 2 tiles x 2 KV heads = 4 CTAs at 128, 6 at 64, one wave either way: 64
     long = pw.PrefillPagedPlan.single(list(range(17)), 4, 0, 68, **HEADS, device="cpu")
     assert (long.cta_tile_q, long.num_tiles) == (64, 3)
-    assert long.tile_reason == "policy sm_90: 4 CTAs at tile 128 leave some of 132 SMs idle"
+    assert long.tile_reason == _waves(64, 1, 1)
     assert f"tile: cta_tile_q=64 ({long.tile_reason})" in long.describe()
-    # 4224 tokens x group 2 = 66 tiles of 128 rows x 2 KV heads = 132 CTAs: every SM busy, so 128 ...
-    huge = pw.PrefillPagedPlan.single(list(range(1056)), 4, 0, 4224, **HEADS, device="cpu")
-    assert (huge.cta_tile_q, huge.num_tiles) == (128, 66)
-    assert huge.tile_reason == "policy sm_90: 8448 packed rows per request >= 128, 132 CTAs"
-    assert f"tile: cta_tile_q=128 ({huge.tile_reason})" in huge.describe()
-    # ... and 4160 tokens (65 tiles, 130 CTAs) stays at 64
-    under = pw.PrefillPagedPlan.single(list(range(1040)), 4, 0, 4160, **HEADS, device="cpu")
-    assert (under.cta_tile_q, under.num_tiles) == (64, 130)
-    assert under.tile_reason == "policy sm_90: 130 CTAs at tile 128 leave some of 132 SMs idle"
+    # 2112 tokens x group 2 = 66 tiles of 64 rows x 2 KV heads = 132 CTAs: one wave at 64, so 64 ...
+    fits = pw.PrefillPagedPlan.single(list(range(528)), 4, 0, 2112, **HEADS, device="cpu")
+    assert (fits.cta_tile_q, fits.num_tiles) == (64, 66)
+    assert fits.tile_reason == _waves(64, 1, 1)
+    # ... and one token more needs a second wave at 64 (134 CTAs) but not at 128 (68): 128
+    spills = pw.PrefillPagedPlan.single(list(range(529)), 1, 0, 2113, **HEADS, device="cpu")
+    assert (spills.cta_tile_q, spills.num_tiles) == (128, 34)
+    assert spills.tile_reason == _waves(128, 1, 2)
+    assert f"tile: cta_tile_q=128 ({spills.tile_reason})" in spills.describe()
     for tile in SUPPORTED_CTA_TILE_Q:
         explicit = pw.PrefillPagedPlan.single(list(range(17)), 4, 0, 68, **HEADS, cta_tile_q=tile, device="cpu")
         assert explicit.cta_tile_q == tile and explicit.tile_reason == "explicit"

@@ -473,7 +473,7 @@ def _state_from_csr(
     reason = "explicit"
     if tile is None:
         tile, reason = tile_for_batch(
-            seq, heads.group, heads.num_kv_heads, _policy_device(device), total_tokens=total_tokens
+            seq, heads.group, heads.num_kv_heads, _policy_device(device), longest_kv_len=lambda: int(kv_len.max())
         )
     request_indices, qo_tile_indices = _tiles(seq, heads.group, tile, total_tokens)
     num_tiles = len(request_indices)
@@ -596,7 +596,14 @@ def _compiled_pass(lib, arrays, given, heads: _Heads, tile: int | None, device) 
         seq = qo_indptr[1:] - qo_indptr[:-1]  # [batch] (checked by the pass below; a bad one costs the numpy pass)
         if seq.min() < 0:
             return None
-        tile, reason = tile_for_batch(seq, group, heads.num_kv_heads, _policy_device(device), total_tokens=total_tokens)
+
+        def longest_kv_len() -> int:  # unchecked input: only steers the tile; the pass below checks it
+            pages = kv_indptr[1:] - kv_indptr[:-1]  # [batch]
+            return int((pages.astype(np.int64) * heads.page_size + last_page_len - heads.page_size).max())
+
+        tile, reason = tile_for_batch(
+            seq, group, heads.num_kv_heads, _policy_device(device), longest_kv_len=longest_kv_len
+        )
     bound = 3 + 3 * batch + 2 + 2 * (total_tokens * group // tile + batch + 1) + total_pages  # num_tiles <= ...
     out = np.empty(5 + batch + bound, dtype=np.int32)  # [5 + batch + bound]: scalars, start positions, block
     address = _writable_address(out)

@@ -3,15 +3,18 @@
 A tile is ``cta_tile_q`` packed GQA rows per CTA (packed row ``r`` is token ``r // group``, head-in-group
 ``r % group``); request ``i`` gets ``ceil(seq_i * group / cta_tile_q)`` tiles. Any supported tile is correct;
 the policy picks the one measured fastest for the shape on the device the plan is for
-(``benchmarks/NOTES.md``, "Tile policy"):
+(``benchmarks/NOTES.md``, "Tile policy" and "Tile policy by waves"):
 
-- Every GPU: 16 when no request has more than 16 packed rows (decode, and a few new tokens per request): tile 16
-  runs the split-KV decode kernel (``kernels/decode_hd256.cu``), which reads each request's K/V window once per
-  KV head and spreads a small batch's keys over every SM; the prefill tiles would compute 4-64x more padding.
-- Hopper (compute capability 9.0, the wgmma kernel): 128 when the requests carrying new rows average at least
-  128 packed rows and the 128-row grid (tiles x KV heads) still fills every SM (long prefills and chunks:
-  1.3-1.4x faster than 64 on the H200), else 64 (a 512-token chunk at 8 KV heads makes 64 CTAs at tile 128
-  on 132 SMs and runs 1.35x faster at 64).
+- Every GPU: 16 when no request has more than 16 packed rows (decode), or no more than ``SHORT_ROWS`` packed
+  rows while (packed rows x keys) of the largest request stays within ``SHORT_WORK`` (a few new tokens on a short
+  context). Tile 16 runs the split-KV decode kernel (``kernels/decode_hd256.cu``), which reads each request's
+  K/V once per KV head and 16-row tile and spreads a small batch's keys over every SM; a prefill tile would run
+  mostly empty. Past that work the decode kernel's extra K/V reads (one pass per 16 rows) cost more.
+- Hopper (compute capability 9.0, the wgmma kernel): 64 or 128, whichever has the smaller estimated time
+  ``waves(tile) x tile x row_cost(tile)``, where ``waves`` is the grid (tiles x KV heads) over the SMs rounded
+  up and ``row_cost`` is 1 at 128 and ``TILE64_ROW_COST`` at 64 (a full 64-row tile's per-row cost on long
+  prefills). Ties go to 128. So a grid that fits one wave at 64 but not at 128 goes to 64 (a 512-token chunk),
+  and one that needs a second wave at 64 but only one at 128 goes to 128 (a 1024-token prompt).
 - Other GPUs (the mma.sync kernel): else 64 (128 gains nothing there: the kernel is bound by its shared-memory
   reads).
 - No GPU: the Hopper rule, so a plan built on a CPU host lays out the way it would on the target.
@@ -23,11 +26,22 @@ token per request (a decode loop), else on Hopper 128 when it averages at least 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
 SUPPORTED_CTA_TILE_Q = (16, 64, 128)
 """Every tile both prefill kernels are built for (``kernels/prefill_launch.cuh`` checks the same list)."""
+
+SHORT_ROWS = 64
+"""Packed rows of the largest request up to which tile 16 can win beyond decode (measured on the H200)."""
+SHORT_WORK = 4096
+"""Packed rows x keys (kv_len) of the largest request up to which tile 16 beats tile 64 (measured on the H200:
+32 rows x 128 keys 1.22x faster at 16, 32 x 256 level, 64 x 128 0.73x)."""
+TILE64_ROW_COST = 1.35
+"""Time per packed row of a full 64-row tile relative to a full 128-row tile on the wgmma kernel (long prefills
+run 1.3-1.4x faster at 128 on the H200)."""
 
 CPU_DEFAULT_CAPABILITY = (9, 0)
 CPU_DEFAULT_SM_COUNT = 132
@@ -58,25 +72,34 @@ def device_traits(device) -> tuple[tuple[int, int], int]:
 
 
 def tile_for_batch(
-    seq_lens: np.ndarray, group: int, num_kv_heads: int, device=None, *, total_tokens: int | None = None
+    seq_lens: np.ndarray,
+    group: int,
+    num_kv_heads: int,
+    device=None,
+    *,
+    longest_kv_len: Callable[[], int],
 ) -> tuple[int, str]:
-    """The default tile for a batch with these new-row counts (``seq_lens [batch]``, summing to ``total_tokens``
-    when given); returns (tile, reason)."""
+    """The default tile for a batch with these new-row counts (``seq_lens [batch]``); ``longest_kv_len()`` gives
+    the largest kv_len of the batch and is called only when the rule needs it. Returns (tile, reason)."""
     capability, sm_count = device_traits(device)
+    arch = f"sm_{capability[0]}{capability[1]}"
     busiest = int(seq_lens.max()) * group  # packed rows of the largest request
     if busiest <= 16:
-        return 16, f"policy sm_{capability[0]}{capability[1]}: at most {busiest} packed rows per request (decode)"
-    total = (int(seq_lens.sum()) if total_tokens is None else total_tokens) * group  # packed rows
-    if capability == (9, 0):
-        mean = total / np.count_nonzero(seq_lens)  # packed rows per request with new rows
-        if mean < 128:
-            return 64, f"policy sm_90: {mean:.0f} packed rows per request < 128"
-        busy = seq_lens[seq_lens > 0] * group  # [requests with new rows] packed rows
-        ctas = int((-(-busy // 128)).sum()) * num_kv_heads
-        if ctas < sm_count:
-            return 64, f"policy sm_90: {ctas} CTAs at tile 128 leave some of {sm_count} SMs idle"
-        return 128, f"policy sm_90: {mean:.0f} packed rows per request >= 128, {ctas} CTAs"
-    return 64, f"policy sm_{capability[0]}{capability[1]}: mma.sync kernel"
+        return 16, f"policy {arch}: at most {busiest} packed rows per request (decode)"
+    if busiest <= SHORT_ROWS:
+        keys = longest_kv_len()
+        if busiest * keys <= SHORT_WORK:
+            return 16, f"policy {arch}: at most {busiest} packed rows x {keys} keys per request (short)"
+    if capability != (9, 0):
+        return 64, f"policy {arch}: mma.sync kernel"
+    busy = seq_lens[seq_lens > 0] * group  # [requests with new rows] packed rows
+    waves = {t: -(-int((-(-busy // t)).sum()) * num_kv_heads // sm_count) for t in (64, 128)}  # grid / SMs, up
+    cost64, cost128 = waves[64] * 64 * TILE64_ROW_COST, waves[128] * 128
+    tile = 128 if cost128 <= cost64 else 64
+    return tile, (
+        f"policy sm_90: tile {tile}, waves x rows {waves[128]} x 128 = {cost128:.0f} at 128, "
+        f"{waves[64]} x 64 x {TILE64_ROW_COST} = {cost64:.0f} at 64"
+    )
 
 
 def tile_for_capacity(max_total_tokens: int, max_batch: int, device=None) -> tuple[int, str]:

@@ -2,10 +2,13 @@
 
 ``python3 benchmarks/profile_case.py NAME [TILE]`` runs the workload twice (a warm-up, then the profiled launch).
 NAME is an attention workload of ``pagedwindow.bench`` (``prefill_8x2048``), a point of the sweep
-(``decode_b1_kv4096_w1023``; ``pagedwindow.bench_sweep``), or a prep workload (``prep_8192``: one
-``prepare_paged_qkv`` call). TILE is the attention plan's ``cta_tile_q`` (default: the policy's).
+(``decode_b1_kv4096_w1023``; ``pagedwindow.bench_sweep``), a shape of ``tile_probe.py``
+(``probe_b8_n16_c240_w1023``: 8 requests of 16 new tokens on 240 cached keys, window 1023, page 16), or a prep
+workload (``prep_8192``: one ``prepare_paged_qkv`` call). TILE is the attention plan's ``cta_tile_q`` (default:
+the policy's).
 """
 
+import re
 import sys
 
 import torch
@@ -21,6 +24,10 @@ def make_call(name: str, tile: int | None):
         w = bench_prep.PREP_WORKLOADS[name]
         return bench_prep.system_pagedwindow(w, bench_prep.make_prep_inputs(w, gen, device)).call
     workloads = {**bench.WORKLOADS, **{w.name: w for w in bench.sweep_workloads(sweep_slices())}}
+    probe = re.fullmatch(r"probe_b(\d+)_n(\d+)_c(\d+)_w(-?\d+)", name)
+    if probe:
+        batch, new, cached, window = (int(v) for v in probe.groups())
+        workloads[name] = bench.Workload(name, (new,) * batch, (cached,) * batch, window, 16)
     if name not in workloads:
         raise SystemExit(f"unknown workload {name!r}: not in bench.WORKLOADS, the sweep or bench_prep.PREP_WORKLOADS")
     w = workloads[name]

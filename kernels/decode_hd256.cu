@@ -136,46 +136,87 @@ __device__ __forceinline__ int launch_splits(const Params& p, int items) {
 }
 
 // Merge the `splits` (<= kMaxSplits) partials of workspace units [first, first + splits) into the tile's output
-// rows. Per row: lanes s and s + 32 hold split s's and s + 32's LSE and weight (a warp-wide max and sum, no
-// serial chain through L2), then each lane sums its 8 columns over the splits, 8 splits' loads in flight at once.
-// The order of the sum is fixed, so the result does not depend on which split finished last.
+// rows, with as many loads in flight at once as the registers allow: the merge is a chain of L2 round trips at
+// the end of the launch, so its length is counted in trips, not instructions.
+//   1. Every row's split LSEs at once (lanes s and s + 32 hold split s and s + 32 of each row: one trip); per row
+//      a warp-wide max and sum give each split's normalised weight w_s / sum w, kept in shared memory
+//      `weights [kRows][kMaxSplits]`, and the row's LSE.
+//   2. Rows kMergeRows at a time: each lane sums its 8 columns over the splits, kMergeUnroll splits' loads of
+//      every row of the group in flight at once.
+// The order of every sum is fixed, so the result does not depend on which split finished last.
+constexpr int kMergeRows = 2;    // rows whose columns are summed together (a decode token's rows at group 2)
+constexpr int kMergeUnroll = 8;  // splits whose loads a lane keeps in flight per row: 2 x 8 x 8 floats
+
 __device__ __forceinline__ void merge_splits(const Params& p, const Tile& t, int kv_head, int first, int splits,
-                                             int lane) {
+                                             float* weights, int lane) {
   static_assert(kMaxSplits <= 64, "two splits per lane");
+  static_assert(kRows * kMaxSplits * sizeof(float) <= kStages * kTileBytes, "the weights fit the K stages");
   const float* lse_base = p.workspace + static_cast<long long>(p.workspace_units) * kPartialFloats;
-  for (int r = 0; r < t.rows; ++r) {
-    const float lse_a = lane < splits ? __ldcg(lse_base + static_cast<long long>(first + lane) * kRows + r) : -INFINITY;
-    const float lse_b =
-        lane + 32 < splits ? __ldcg(lse_base + static_cast<long long>(first + lane + 32) * kRows + r) : -INFINITY;
-    float mx = fmaxf(lse_a, lse_b);
+  float lse_a[kRows], lse_b[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const float* row_lse = lse_base + static_cast<long long>(first) * kRows + r;
+    const bool row = r < t.rows;
+    lse_a[r] = row && lane < splits ? __ldcg(row_lse + lane * kRows) : -INFINITY;
+    lse_b[r] = row && lane + 32 < splits ? __ldcg(row_lse + (lane + 32) * kRows) : -INFINITY;
+  }
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    if (r >= t.rows) break;  // uniform
+    float mx = fmaxf(lse_a[r], lse_b[r]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, o));
     // A split that saw none of the row's keys has LSE -inf: weight exp2(-inf) = 0. No key at all: mx = -inf.
-    const float w_a = mx == -INFINITY ? 0.f : fast_exp2(lse_a - mx);
-    const float w_b = mx == -INFINITY ? 0.f : fast_exp2(lse_b - mx);
+    const float w_a = mx == -INFINITY ? 0.f : fast_exp2(lse_a[r] - mx);
+    const float w_b = mx == -INFINITY ? 0.f : fast_exp2(lse_b[r] - mx);
     float total = w_a + w_b;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(kFullMask, total, o);
-    float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    const float* col = p.workspace + static_cast<long long>(first) * kPartialFloats + r * kHeadDim + lane * 8;
-#pragma unroll 8
-    for (int s = 0; s < splits; ++s) {
-      const float w = __shfl_sync(kFullMask, s < 32 ? w_a : w_b, s & 31);
-      const float4* src = reinterpret_cast<const float4*>(col + static_cast<long long>(s) * kPartialFloats);
-      const float4 a = __ldcg(src), b = __ldcg(src + 1);
-      acc[0] += w * a.x, acc[1] += w * a.y, acc[2] += w * a.z, acc[3] += w * a.w;
-      acc[4] += w * b.x, acc[5] += w * b.y, acc[6] += w * b.z, acc[7] += w * b.w;
-    }
     const float inv = total > 0.f ? 1.f / total : 0.f;
-    uint4 v;
-    v.x = pack_bf16x2(acc[0] * inv, acc[1] * inv);
-    v.y = pack_bf16x2(acc[2] * inv, acc[3] * inv);
-    v.z = pack_bf16x2(acc[4] * inv, acc[5] * inv);
-    v.w = pack_bf16x2(acc[6] * inv, acc[7] * inv);
-    const long long at = row_offset(p, t, kv_head, r);
-    *reinterpret_cast<uint4*>(p.out + at + lane * 8) = v;
-    if (p.lse != nullptr && lane == 0) p.lse[at / kHeadDim] = total > 0.f ? (mx + __log2f(total)) * kLn2 : -INFINITY;
+    weights[r * kMaxSplits + lane] = w_a * inv;
+    weights[r * kMaxSplits + lane + 32] = w_b * inv;
+    if (p.lse != nullptr && lane == 0)
+      p.lse[row_offset(p, t, kv_head, r) / kHeadDim] = total > 0.f ? (mx + __log2f(total)) * kLn2 : -INFINITY;
   }
+  __syncwarp();  // every row's weights written
+
+  // Loads are never predicated, so that the compiler issues a whole chunk's at once: a split past `splits` reads
+  // the last split's (finite) partial with weight 0, and a row past the tile's reads its last row, never stored.
+  for (int r0 = 0; r0 < t.rows; r0 += kMergeRows) {
+    float acc[kMergeRows][8];
+#pragma unroll
+    for (int h = 0; h < kMergeRows; ++h)
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[h][c] = 0.f;
+    for (int s0 = 0; s0 < splits; s0 += kMergeUnroll) {
+#pragma unroll
+      for (int j = 0; j < kMergeUnroll; ++j) {
+        const int s = min(s0 + j, splits - 1);
+        const float* src_split = p.workspace + static_cast<long long>(first + s) * kPartialFloats + lane * 8;
+#pragma unroll
+        for (int h = 0; h < kMergeRows; ++h) {
+          const int r = min(r0 + h, t.rows - 1);
+          const float w = s0 + j < splits ? weights[r * kMaxSplits + s] : 0.f;
+          const float4* src = reinterpret_cast<const float4*>(src_split + r * kHeadDim);
+          const float4 a = __ldcg(src), b = __ldcg(src + 1);
+          acc[h][0] += w * a.x, acc[h][1] += w * a.y, acc[h][2] += w * a.z, acc[h][3] += w * a.w;
+          acc[h][4] += w * b.x, acc[h][5] += w * b.y, acc[h][6] += w * b.z, acc[h][7] += w * b.w;
+        }
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < kMergeRows; ++h) {
+      if (r0 + h < t.rows) {
+        uint4 v;
+        v.x = pack_bf16x2(acc[h][0], acc[h][1]);
+        v.y = pack_bf16x2(acc[h][2], acc[h][3]);
+        v.z = pack_bf16x2(acc[h][4], acc[h][5]);
+        v.w = pack_bf16x2(acc[h][6], acc[h][7]);
+        *reinterpret_cast<uint4*>(p.out + row_offset(p, t, kv_head, r0 + h) + lane * 8) = v;
+      }
+    }
+  }
+  __syncwarp();  // every lane done with the weights before the next unit's copies reuse the stages
 }
 
 __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params p) {
@@ -352,7 +393,7 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
     arrived = __shfl_sync(kFullMask, arrived, 0);
     if (arrived == tile_splits - 1) {  // the last split of this tile: every other partial is written
       __threadfence();
-      merge_splits(p, t, kv_head, item * splits, tile_splits, lane);
+      merge_splits(p, t, kv_head, item * splits, tile_splits, reinterpret_cast<float*>(smem + kTileBytes), lane);
       if (lane == 0) p.split_counters[item] = 0;  // ready for the next launch (or graph replay)
     }
   }

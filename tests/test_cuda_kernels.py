@@ -331,6 +331,64 @@ def test_decode_kernel_splits_a_long_request_and_leaves_its_counters_zero(window
 
 
 @pytest.mark.parametrize(
+    "geometry",
+    [
+        # group 2: tiles of 16, 16 + 16, 16 + 14 and 6 packed rows, few enough that every tile's keys are split
+        (16, [8, 16, 15, 3], [240, 4096, 1000, 70000], (16, 8), 16),
+        # group 4: 20 packed rows (a tile of 16 and one of 4) and 8
+        (32, [5, 2], [3000, 9], (16, 4), 16),
+    ],
+    ids=["group2", "group4"],
+)
+@pytest.mark.parametrize("window_left", [-1, 1023])
+def test_decode_kernel_merges_the_splits_of_multi_row_tiles(geometry, window_left):
+    """A few requests of several new tokens at tile 16: the split-KV kernel merges tiles of up to 16 rows (odd
+    counts too, the merge's row groups padded) to the fp64 answer and the reference's LSE, bit-identically when
+    run again over a workspace poisoned with NaN, and leaves every counter zero."""
+    case, out, lse = run_kernel_case(geometry, window_left, seed=5)
+    rows = case.plan.total_tokens
+    exact = dense_attention(case, sm_scale=SM_SCALE, window_left=window_left)  # [rows, hq, d] fp64
+    plain = dense_attention(case, sm_scale=SM_SCALE, window_left=window_left, dtype=torch.bfloat16)
+    assert max_abs_err(out[:rows], exact) <= error_bound(max_abs_err(plain, exact))
+    ref_lse = torch.empty(rows, case.q.shape[1], dtype=torch.float32, device="cuda")
+    pw.batch_prefill_paged_window(
+        case.q,
+        case.pool,
+        case.layout,
+        case.layer,
+        case.plan,
+        sm_scale=SM_SCALE,
+        window_left=window_left,
+        lse=ref_lse,
+        backend="reference",
+    )
+    torch.testing.assert_close(lse[:rows], ref_lse, rtol=1e-3, atol=1e-3)
+
+    workspace, counters = case.plan.split_kv_workspace(torch.device("cuda"))
+    units = len(counters)
+    workspace.fill_(float("nan"))
+    again, again_lse = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
+    pw.batch_prefill_paged_window(
+        case.q,
+        case.pool,
+        case.layout,
+        case.layer,
+        case.plan,
+        sm_scale=SM_SCALE,
+        window_left=window_left,
+        out=again,
+        lse=again_lse,
+        backend="cuda",
+    )
+    torch.cuda.synchronize()
+    assert torch.equal(again[:rows], out[:rows]) and torch.equal(again_lse[:rows], lse[:rows])
+    assert torch.equal(counters, torch.zeros_like(counters)), "a launch left a split counter set"
+    partial_lse = workspace[units * 16 * D :].view(units, 16)  # [units, 16 rows]
+    written = (~torch.isnan(partial_lse)).any(dim=1).sum().item()
+    assert written > case.plan.num_tiles * case.plan.num_kv_heads, "the tiles' keys were not split"
+
+
+@pytest.mark.parametrize(
     "geometry", [GEOMETRIES[2], (16, [1] * 9, [0, 15, 16, 17, 100, 1023, 1024, 4095, 2500], (16, 8), 16)]
 )
 def test_torch_compile_fullgraph(geometry):

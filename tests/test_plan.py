@@ -50,10 +50,10 @@ def test_tile_constants_are_shared():
     assert tiles.device_traits(torch.device("cpu")) == ((9, 0), 132)
 
 
-def _waves(tile: int, waves128: int, waves64: int) -> str:
-    """The Hopper policy's reason for a batch that needs these waves at tiles 128 and 64."""
+def _waves(tile: int, waves128: int, waves64: int, split: str = "") -> str:
+    """The Hopper policy's reason for a batch that needs these waves at tiles 128 and 64 (``split``: why not 16)."""
     return (
-        f"policy sm_90: tile {tile}, waves x rows {waves128} x 128 = {waves128 * 128} at 128, "
+        f"policy sm_90: {split}tile {tile}, waves x rows {waves128} x 128 = {waves128 * 128} at 128, "
         f"{waves64} x 64 x 1.35 = {waves64 * 64 * 1.35:.0f} at 64"
     )
 
@@ -65,7 +65,11 @@ def _waves(tile: int, waves128: int, waves64: int) -> str:
         ([4, 0, 4], 4096, 2, 16, "policy sm_90: at most 8 packed rows per request (decode)"),
         ([0], 1, 4, 16, "policy sm_90: at most 0 packed rows per request (decode)"),
         ([1, 1, 1, 1, 1, 1, 1, 1, 1], 9, 2, 16, "policy sm_90: at most 2 packed rows per request (decode)"),
-        ([8, 3, 0, 8], 1 << 20, 2, 16, "policy sm_90: at most 16 packed rows per request (decode)"),
+        ([8] * 64, 4104, 2, 16, "policy sm_90: at most 16 packed rows per request (decode)"),  # 512 items: no split
+        # 16-row tiles the decode kernel would split: the prefill tiles
+        ([8, 3, 0, 8], 1 << 20, 2, 64, _waves(64, 1, 1, "16-row tiles at 16 would split 22 ways; ")),
+        ([8] * 8, 248, 2, 64, _waves(64, 1, 1, "16-row tiles at 16 would split 8 ways; ")),
+        ([16] * 8, 128, 2, 64, _waves(64, 1, 1, "16-row tiles at 16 would split 4 ways; ")),
         # a few new tokens on a short context: tile 16 while packed rows x keys stays within SHORT_WORK ...
         ([9], 9, 2, 16, "policy sm_90: at most 18 packed rows x 9 keys per request (short)"),
         ([16] * 64, 128, 2, 16, "policy sm_90: at most 32 packed rows x 128 keys per request (short)"),
@@ -94,7 +98,21 @@ def test_tile_for_batch_on_a_cpu_host_is_the_hopper_rule(seq_lens, kv_len, group
         np.array(seq_lens, dtype=np.int64), group, 8, "cpu", longest_kv_len=lambda: asked.append(1) or kv_len
     )
     assert got == (tile, reason), got
-    assert len(asked) == (16 < max(seq_lens) * group <= tiles.SHORT_ROWS)  # asked only when the rule needs it
+    assert len(asked) == (tiles.SPLIT_ROWS < max(seq_lens) * group <= tiles.SHORT_ROWS)  # only when needed
+
+
+def test_tile_16_splits_its_tiles_unless_the_keys_or_the_prefill_grid_are_too_few():
+    """16-row tiles stay at 16 when the decode kernel would not split them (too few keys) or when the prefill grid
+    would be smaller than MIN_PREFILL_GRID; 8-row tiles stay at 16 whatever the split."""
+    seq = np.array([8] * 8)
+    assert tiles.tile_for_batch(seq, 2, 8, "cpu", longest_kv_len=lambda: 63)[0] == 16  # one step of keys a split
+    assert tiles.tile_for_batch(seq, 2, 8, "cpu", longest_kv_len=lambda: 64)[0] == 64
+    assert tiles.tile_for_batch(np.array([1]), 16, 1, "cpu", longest_kv_len=lambda: 4096) == (
+        16,
+        "policy sm_90: at most 16 packed rows per request (decode)",
+    )
+    assert tiles.tile_for_batch(np.array([8]), 2, 8, "cpu", longest_kv_len=lambda: 4096)[0] == 64  # grid 8
+    assert tiles.tile_for_batch(np.array([4] * 8), 2, 8, "cpu", longest_kv_len=lambda: 4096)[0] == 16  # 8 rows
 
 
 def test_tile_for_batch_off_hopper_is_16_or_64(monkeypatch):

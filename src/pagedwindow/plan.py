@@ -49,7 +49,14 @@ import numpy as np
 import torch
 
 from .errors import INT32_MAX, PagedWindowError, checked_i32, checked_i32_array, int_array
-from .tiles import SUPPORTED_CTA_TILE_Q, device_traits, tile_for_batch, tile_for_capacity
+from .tiles import (
+    SPLIT_KV_TILE,
+    SPLIT_KV_UNITS_PER_SM,
+    SUPPORTED_CTA_TILE_Q,
+    device_traits,
+    tile_for_batch,
+    tile_for_capacity,
+)
 
 __all__ = [
     "PlanArrays",
@@ -710,12 +717,6 @@ def _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, 
 
 
 # -- device mirrors ---------------------------------------------------------------------------------------------
-
-
-SPLIT_KV_TILE = 16
-"""Plans at this tile run split-KV launches (the decode kernel), with :meth:`PrefillPagedPlan.split_kv_workspace`."""
-SPLIT_KV_UNITS_PER_SM = 4
-"""Split-KV work units the workspace holds per SM (the decode kernel keeps 4 one-warp CTAs per SM busy)."""
 
 
 def _split_kv_unit_floats(state: _PlanState) -> int:

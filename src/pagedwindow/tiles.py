@@ -9,7 +9,10 @@ the policy picks the one measured fastest for the shape on the device the plan i
   rows while (packed rows x keys) of the largest request stays within ``SHORT_WORK`` (a few new tokens on a short
   context). Tile 16 runs the split-KV decode kernel (``kernels/decode_hd256.cu``), which reads each request's
   K/V once per KV head and 16-row tile and spreads a small batch's keys over every SM; a prefill tile would run
-  mostly empty. Past that work the decode kernel's extra K/V reads (one pass per 16 rows) cost more.
+  mostly empty. Past that work the decode kernel's extra K/V reads (one pass per 16 rows) cost more. Except:
+  tiles of more than ``SPLIT_ROWS`` rows that the decode kernel would split (few tiles, enough keys) go to the
+  prefill tiles when their grid has at least ``MIN_PREFILL_GRID`` CTAs: each split writes, and the merge
+  re-reads, every row's fp32 partial.
 - Hopper (compute capability 9.0, the wgmma kernel): 64 or 128, whichever has the smaller estimated time
   ``waves(tile) x tile x row_cost(tile)``, where ``waves`` is the grid (tiles x KV heads) over the SMs rounded
   up and ``row_cost`` is 1 at 128 and ``TILE64_ROW_COST`` at 64 (a full 64-row tile's per-row cost on long
@@ -39,6 +42,18 @@ SHORT_ROWS = 64
 SHORT_WORK = 4096
 """Packed rows x keys (kv_len) of the largest request up to which tile 16 beats tile 64 (measured on the H200:
 32 rows x 128 keys 1.22x faster at 16, 32 x 256 level, 64 x 128 0.73x)."""
+SPLIT_KV_TILE = 16
+"""The tile whose plans run the split-KV decode kernel."""
+SPLIT_KV_UNITS_PER_SM = 4
+"""Split-KV work units per SM (the decode kernel keeps 4 one-warp CTAs per SM busy): the workspace's size, and
+with the launch's tiles x KV heads ("items") what decides its split count, ``min(64, units // items)``."""
+SPLIT_ROWS = 8
+"""Rows of a tile-16 tile above which splitting its keys loses to tile 64 (on the H200, 16-row tiles that split:
+1.25-1.86x slower than 64; 2-row tiles that split: 1.1-1.7x faster)."""
+SPLIT_MIN_KEYS = 64
+"""Keys a tile needs before the decode kernel splits it (two splits of its two-step minimum, 16 keys a step)."""
+MIN_PREFILL_GRID = 8
+"""The smallest prefill grid (requests with new rows x KV heads) measured beating split 16-row tiles."""
 TILE64_ROW_COST = 1.35
 """Time per packed row of a full 64-row tile relative to a full 128-row tile on the wgmma kernel (long prefills
 run 1.3-1.4x faster at 128 on the H200)."""
@@ -84,20 +99,26 @@ def tile_for_batch(
     capability, sm_count = device_traits(device)
     arch = f"sm_{capability[0]}{capability[1]}"
     busiest = int(seq_lens.max()) * group  # packed rows of the largest request
-    if busiest <= 16:
+    if busiest <= SPLIT_ROWS:
         return 16, f"policy {arch}: at most {busiest} packed rows per request (decode)"
+    busy = seq_lens[seq_lens > 0] * group  # [requests with new rows] packed rows
+    prefix = ""
     if busiest <= SHORT_ROWS:
         keys = longest_kv_len()
-        if busiest * keys <= SHORT_WORK:
-            return 16, f"policy {arch}: at most {busiest} packed rows x {keys} keys per request (short)"
+        if busiest <= 16 or busiest * keys <= SHORT_WORK:
+            why = "per request (decode)" if busiest <= 16 else f"x {keys} keys per request (short)"
+            items = int((-(-busy // SPLIT_KV_TILE)).sum()) * num_kv_heads  # tiles x KV heads at tile 16
+            splits = min(64, SPLIT_KV_UNITS_PER_SM * sm_count // items)
+            if splits < 2 or keys < SPLIT_MIN_KEYS or len(busy) * num_kv_heads < MIN_PREFILL_GRID:
+                return 16, f"policy {arch}: at most {busiest} packed rows {why}"
+            prefix = f"{min(busiest, 16)}-row tiles at 16 would split {splits} ways; "
     if capability != (9, 0):
-        return 64, f"policy {arch}: mma.sync kernel"
-    busy = seq_lens[seq_lens > 0] * group  # [requests with new rows] packed rows
+        return 64, f"policy {arch}: {prefix}mma.sync kernel"
     waves = {t: -(-int((-(-busy // t)).sum()) * num_kv_heads // sm_count) for t in (64, 128)}  # grid / SMs, up
     cost64, cost128 = waves[64] * 64 * TILE64_ROW_COST, waves[128] * 128
     tile = 128 if cost128 <= cost64 else 64
     return tile, (
-        f"policy sm_90: tile {tile}, waves x rows {waves[128]} x 128 = {cost128:.0f} at 128, "
+        f"policy sm_90: {prefix}tile {tile}, waves x rows {waves[128]} x 128 = {cost128:.0f} at 128, "
         f"{waves[64]} x 64 x {TILE64_ROW_COST} = {cost64:.0f} at 64"
     )
 

@@ -1,6 +1,8 @@
 """PrefillPagedPlan: every construction rule fails with a named value; invariants hold on random batches."""
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -42,6 +44,18 @@ def test_good_plan_arrays():
     assert plan.request_indices.tolist() == [0, 1] and plan.qo_tile_indices.tolist() == [0, 0]
     assert (plan.max_page_index, plan.max_last_page_len) == (3, 3)
     assert plan.page_indices.dtype == torch.int32
+
+
+def test_the_policy_reads_the_decode_kernels_split_rule():
+    """The policy predicts the decode kernel's splits from constants that mirror ``kernels/decode_hd256.cu``."""
+    source = (Path(__file__).resolve().parents[1] / "kernels" / "decode_hd256.cu").read_text()
+
+    def constant(name: str) -> int:
+        return int(re.search(rf"constexpr int {name} = (\d+);", source).group(1))
+
+    assert constant("kMaxSplits") == tiles.SPLIT_KV_MAX_SPLITS
+    assert constant("kRows") == tiles.SPLIT_KV_TILE
+    assert 2 * constant("kMinStepsPerSplit") * constant("kSteps") == tiles.SPLIT_MIN_KEYS
 
 
 def test_tile_constants_are_shared():

@@ -409,6 +409,11 @@ def _scatter_live(state: _PlanState, cap: PlanCapacity, out: np.ndarray) -> None
         out[dst : dst + n] = state.packed[src : src + n]
 
 
+def _kv_lens(num_pages: np.ndarray, last_page_len: np.ndarray, page_size: int) -> np.ndarray:
+    """Each request's kv_len: ``(pages - 1) * page_size + last_page_len`` (``num_pages`` int64, ``[batch]``)."""
+    return (num_pages - 1) * page_size + last_page_len
+
+
 def _state_from_csr(
     qo_indptr: np.ndarray,
     kv_indptr: np.ndarray,
@@ -464,7 +469,7 @@ def _state_from_csr(
     if min_last < 1 or max_last > page_size:
         i = _first((last < 1) | (last > page_size))
         raise PagedWindowError(f"last_page_len[{i}] = {int(last[i])} is outside 1..{page_size} (page_size {page_size})")
-    kv_len = (num_pages - 1) * page_size + last  # [batch] int64
+    kv_len = _kv_lens(num_pages, last, page_size)  # [batch] int64
     if total_pages * page_size > INT32_MAX and kv_len.max() > INT32_MAX:  # every kv_len <= total_pages * page_size
         i = _first(kv_len > INT32_MAX)
         raise PagedWindowError(f"kv_len of request {i} = {int(kv_len[i])} does not fit in int32 (bound {INT32_MAX})")
@@ -605,8 +610,8 @@ def _compiled_pass(lib, arrays, given, heads: _Heads, tile: int | None, device) 
             return None
 
         def longest_kv_len() -> int:  # unchecked input: only steers the tile; the pass below checks it
-            pages = kv_indptr[1:] - kv_indptr[:-1]  # [batch]
-            return int((pages.astype(np.int64) * heads.page_size + last_page_len - heads.page_size).max())
+            pages = (kv_indptr[1:] - kv_indptr[:-1]).astype(np.int64)  # [batch]
+            return int(_kv_lens(pages, last_page_len, heads.page_size).max())
 
         tile, reason = tile_for_batch(
             seq, group, heads.num_kv_heads, _policy_device(device), longest_kv_len=longest_kv_len

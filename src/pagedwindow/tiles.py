@@ -46,7 +46,10 @@ SPLIT_KV_TILE = 16
 """The tile whose plans run the split-KV decode kernel."""
 SPLIT_KV_UNITS_PER_SM = 4
 """Split-KV work units per SM (the decode kernel keeps 4 one-warp CTAs per SM busy): the workspace's size, and
-with the launch's tiles x KV heads ("items") what decides its split count, ``min(64, units // items)``."""
+with the launch's tiles x KV heads ("items") what decides its split count,
+``min(SPLIT_KV_MAX_SPLITS, units // items)``."""
+SPLIT_KV_MAX_SPLITS = 64
+"""Splits of one tile's keys at most (``kMaxSplits`` in ``kernels/decode_hd256.cu``)."""
 SPLIT_ROWS = 8
 """Rows of a tile-16 tile above which splitting its keys loses to tile 64 (on the H200, 16-row tiles that split:
 1.25-1.86x slower than 64; 2-row tiles that split: 1.1-1.7x faster)."""
@@ -102,19 +105,22 @@ def tile_for_batch(
     if busiest <= SPLIT_ROWS:
         return 16, f"policy {arch}: at most {busiest} packed rows per request (decode)"
     busy = seq_lens[seq_lens > 0] * group  # [requests with new rows] packed rows
+
+    def grid(tile: int) -> int:  # CTAs (tiles x KV heads) at this tile
+        return int((-(-busy // tile)).sum()) * num_kv_heads
+
     prefix = ""
     if busiest <= SHORT_ROWS:
         keys = longest_kv_len()
         if busiest <= 16 or busiest * keys <= SHORT_WORK:
             why = "per request (decode)" if busiest <= 16 else f"x {keys} keys per request (short)"
-            items = int((-(-busy // SPLIT_KV_TILE)).sum()) * num_kv_heads  # tiles x KV heads at tile 16
-            splits = min(64, SPLIT_KV_UNITS_PER_SM * sm_count // items)
+            splits = min(SPLIT_KV_MAX_SPLITS, SPLIT_KV_UNITS_PER_SM * sm_count // grid(SPLIT_KV_TILE))
             if splits < 2 or keys < SPLIT_MIN_KEYS or len(busy) * num_kv_heads < MIN_PREFILL_GRID:
                 return 16, f"policy {arch}: at most {busiest} packed rows {why}"
             prefix = f"{min(busiest, 16)}-row tiles at 16 would split {splits} ways; "
     if capability != (9, 0):
         return 64, f"policy {arch}: {prefix}mma.sync kernel"
-    waves = {t: -(-int((-(-busy // t)).sum()) * num_kv_heads // sm_count) for t in (64, 128)}  # grid / SMs, up
+    waves = {t: -(-grid(t) // sm_count) for t in (64, 128)}  # grid over the SMs, rounded up
     cost64, cost128 = waves[64] * 64 * TILE64_ROW_COST, waves[128] * 128
     tile = 128 if cost128 <= cost64 else 64
     return tile, (

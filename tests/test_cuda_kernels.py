@@ -24,6 +24,28 @@ def test_prefill_kernel_against_float64(geometry, window_left):
     case, out, lse = run_kernel_case(
         geometry, window_left, seed=GEOMETRIES.index(geometry) * 100 + WINDOWS.index(window_left)
     )
+    assert_kernel_case_right(case, out, lse, window_left)
+
+
+def attend(case, window_left: int, *, backend: str, out=None, lse=None):
+    """``batch_prefill_paged_window`` over a kernel case's batch at ``SM_SCALE``."""
+    return pw.batch_prefill_paged_window(
+        case.q,
+        case.pool,
+        case.layout,
+        case.layer,
+        case.plan,
+        sm_scale=SM_SCALE,
+        window_left=window_left,
+        out=out,
+        lse=lse,
+        backend=backend,
+    )
+
+
+def assert_kernel_case_right(case, out, lse, window_left: int) -> None:
+    """``run_kernel_case``'s out and lse: every live row within the fp64 error bound, the LSE the reference's,
+    the spare rows past total_tokens untouched (still NaN)."""
     rows = case.plan.total_tokens
     exact = dense_attention(case, sm_scale=SM_SCALE, window_left=window_left)  # [rows, hq, d] fp64
     plain = dense_attention(case, sm_scale=SM_SCALE, window_left=window_left, dtype=torch.bfloat16)
@@ -33,17 +55,7 @@ def test_prefill_kernel_against_float64(geometry, window_left):
     err = max_abs_err(out[:rows], exact)
     assert err <= error_bound(plain_err), f"max |kernel - fp64| {err:.3e} vs plain bf16 {plain_err:.3e}"
     ref_lse = torch.empty(rows, case.q.shape[1], dtype=torch.float32, device="cuda")
-    pw.batch_prefill_paged_window(
-        case.q,
-        case.pool,
-        case.layout,
-        case.layer,
-        case.plan,
-        sm_scale=SM_SCALE,
-        window_left=window_left,
-        lse=ref_lse,
-        backend="reference",
-    )
+    attend(case, window_left, backend="reference", lse=ref_lse)
     torch.testing.assert_close(lse[:rows], ref_lse, rtol=1e-3, atol=1e-3)
     assert torch.isnan(lse[rows:]).all()
 
@@ -308,17 +320,7 @@ def test_decode_kernel_splits_a_long_request_and_leaves_its_counters_zero(window
 
     workspace.fill_(float("nan"))
     again = torch.full_like(out, float("nan"))
-    pw.batch_prefill_paged_window(
-        case.q,
-        case.pool,
-        case.layout,
-        case.layer,
-        case.plan,
-        sm_scale=SM_SCALE,
-        window_left=window_left,
-        out=again,
-        backend="cuda",
-    )
+    attend(case, window_left, backend="cuda", out=again)
     torch.cuda.synchronize()
     assert torch.equal(again[:1], out[:1]), "the split merge is not deterministic"
     assert torch.equal(counters, torch.zeros_like(counters)), "a launch left a split counter set"
@@ -346,40 +348,14 @@ def test_decode_kernel_merges_the_splits_of_multi_row_tiles(geometry, window_lef
     counts too, the merge's row groups padded) to the fp64 answer and the reference's LSE, bit-identically when
     run again over a workspace poisoned with NaN, and leaves every counter zero."""
     case, out, lse = run_kernel_case(geometry, window_left, seed=5)
-    rows = case.plan.total_tokens
-    exact = dense_attention(case, sm_scale=SM_SCALE, window_left=window_left)  # [rows, hq, d] fp64
-    plain = dense_attention(case, sm_scale=SM_SCALE, window_left=window_left, dtype=torch.bfloat16)
-    assert max_abs_err(out[:rows], exact) <= error_bound(max_abs_err(plain, exact))
-    ref_lse = torch.empty(rows, case.q.shape[1], dtype=torch.float32, device="cuda")
-    pw.batch_prefill_paged_window(
-        case.q,
-        case.pool,
-        case.layout,
-        case.layer,
-        case.plan,
-        sm_scale=SM_SCALE,
-        window_left=window_left,
-        lse=ref_lse,
-        backend="reference",
-    )
-    torch.testing.assert_close(lse[:rows], ref_lse, rtol=1e-3, atol=1e-3)
+    assert_kernel_case_right(case, out, lse, window_left)
 
+    rows = case.plan.total_tokens
     workspace, counters = case.plan.split_kv_workspace(torch.device("cuda"))
     units = len(counters)
     workspace.fill_(float("nan"))
     again, again_lse = torch.full_like(out, float("nan")), torch.full_like(lse, float("nan"))
-    pw.batch_prefill_paged_window(
-        case.q,
-        case.pool,
-        case.layout,
-        case.layer,
-        case.plan,
-        sm_scale=SM_SCALE,
-        window_left=window_left,
-        out=again,
-        lse=again_lse,
-        backend="cuda",
-    )
+    attend(case, window_left, backend="cuda", out=again, lse=again_lse)
     torch.cuda.synchronize()
     assert torch.equal(again[:rows], out[:rows]) and torch.equal(again_lse[:rows], lse[:rows])
     assert torch.equal(counters, torch.zeros_like(counters)), "a launch left a split counter set"

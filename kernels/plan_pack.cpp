@@ -59,6 +59,8 @@ extern "C" {
 
 // Validate and pack. scalars [5] receives max_page_index, max_last_page_len, total_tokens, total_pages,
 // num_tiles (each within int32 once validated); start_positions [batch] receives kv_len - seq_len per request.
+// A null kv_indices means the page ids were checked and copied on the device (kernels/plan_check.cu): only
+// num_indices is used, the block's page segment is left unwritten and max_page_index is -1.
 int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int kv_is64, const void* kv_indices,
                  int indices_is64, int64_t num_indices, const void* last_page_len, int last_is64, int64_t batch,
                  int64_t page_size, int64_t group, int64_t tile, int32_t* packed, int64_t packed_capacity,
@@ -87,10 +89,13 @@ int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int 
 
   // Page ids: within 0..int32, each used once (a table of the ids seen), copied into the block.
   int32_t* pages = packed + o_pages;
-  const int64_t high = indices_is64 ? copy_page_ids(static_cast<const int64_t*>(kv_indices), total_pages, pages)
-                                    : copy_page_ids(static_cast<const int32_t*>(kv_indices), total_pages, pages);
-  if (high < 0) return PW_PACK_INVALID;
-  if (total_pages >= 2) {
+  int64_t high = -1;
+  if (kv_indices != nullptr) {
+    high = indices_is64 ? copy_page_ids(static_cast<const int64_t*>(kv_indices), total_pages, pages)
+                        : copy_page_ids(static_cast<const int32_t*>(kv_indices), total_pages, pages);
+    if (high < 0) return PW_PACK_INVALID;
+  }
+  if (kv_indices != nullptr && total_pages >= 2) {
     const int64_t table_limit = 4 * total_pages > kDenseTableMin ? 4 * total_pages : kDenseTableMin;
     if (high >= table_limit) return PW_PACK_SPARSE;
     static thread_local std::vector<uint8_t> seen_ids;
@@ -135,18 +140,27 @@ int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int 
 // created instead, as nothing used the buffer yet), copy the live segments into the pinned staging buffer at
 // their capacity offsets, enqueue one or two host-to-device copies of the live range on the stream, record the
 // event. offsets [7]: the capacity layout's segment offsets; sizes [7]: the packed block's segment sizes.
-// max_gap: unused tile entries copied along rather than split into two copies. Returns a cudaError_t.
+// max_gap: unused tile entries copied along rather than split into two copies. device_pages: null, or the page
+// ids already on this device (sizes[6] of them, checked there): then packed's page segment is not read, and the
+// ids are copied device to device. Returns a cudaError_t.
 int pw_plan_upload(int32_t* device_buffer, int32_t* staging, const int32_t* packed, const int64_t* offsets,
-                   const int64_t* sizes, int64_t max_gap, cudaStream_t stream, cudaEvent_t* event) {
+                   const int64_t* sizes, int64_t max_gap, const int32_t* device_pages, cudaStream_t stream,
+                   cudaEvent_t* event) {
   cudaError_t err = *event ? cudaEventSynchronize(*event) : cudaEventCreateWithFlags(event, cudaEventDisableTiming);
   if (err != cudaSuccess) return err;
+  const int host_segments = device_pages ? 6 : 7;
   int64_t src = 0;
-  for (int s = 0; s < 7; ++s) {
+  for (int s = 0; s < host_segments; ++s) {
     std::memcpy(staging + offsets[s], packed + src, sizes[s] * sizeof(int32_t));
     src += sizes[s];
   }
   const int64_t head_end = offsets[5] + sizes[5], pages_end = offsets[6] + sizes[6];
-  if (offsets[6] - head_end <= max_gap) {
+  if (device_pages) {
+    err = cudaMemcpyAsync(device_buffer, staging, head_end * sizeof(int32_t), cudaMemcpyHostToDevice, stream);
+    if (err == cudaSuccess)
+      err = cudaMemcpyAsync(device_buffer + offsets[6], device_pages, sizes[6] * sizeof(int32_t),
+                            cudaMemcpyDeviceToDevice, stream);
+  } else if (offsets[6] - head_end <= max_gap) {
     err = cudaMemcpyAsync(device_buffer, staging, pages_end * sizeof(int32_t), cudaMemcpyHostToDevice, stream);
   } else {
     err = cudaMemcpyAsync(device_buffer, staging, head_end * sizeof(int32_t), cudaMemcpyHostToDevice, stream);

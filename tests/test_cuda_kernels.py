@@ -116,11 +116,13 @@ UPDATE_SEQUENCE = [
 ]
 
 
-@pytest.mark.parametrize("tile", [None, 16, 64, 128])
-def test_cuda_graph_replay_across_every_update_equals_eager(tile):
+@pytest.mark.parametrize(
+    ("tile", "csr_device"), [(None, "cpu"), (16, "cpu"), (64, "cpu"), (128, "cpu"), (None, "cuda"), (16, "cuda")]
+)
+def test_cuda_graph_replay_across_every_update_equals_eager(tile, csr_device):
     """Capture append + prefill once on a preallocated plan (its tile fixed at creation: the policy's pick, or
     explicit); replay after each update of every shape class equals eager, pool included, and leaves rows past
-    total_tokens untouched."""
+    total_tokens untouched. The updates' CSR tensors on the host, or on the GPU (page ids checked there)."""
     hq, hkv, ps, cap_tokens, num_pages = 16, 8, 16, 512, 400
     plan = pw.PrefillPagedPlan.preallocated(
         max_total_tokens=cap_tokens,
@@ -131,7 +133,7 @@ def test_cuda_graph_replay_across_every_update_equals_eager(tile):
         device="cuda",
     )
     fixed = plan.cta_tile_q
-    gen = torch.Generator().manual_seed(7 if tile is None else tile)
+    gen = torch.Generator().manual_seed((7 if tile is None else tile) + (csr_device == "cuda"))
     layout = pw.PagedKvLayout(1, hkv, D, ps)
     pool = layout.allocate(num_pages, torch.bfloat16, "cuda")
     q = torch.zeros(cap_tokens, hq, D, dtype=torch.bfloat16, device="cuda")
@@ -147,10 +149,10 @@ def test_cuda_graph_replay_across_every_update_equals_eager(tile):
         """Copy a case into the captured buffers and re-plan in place from CSR tensors."""
         p = case.plan
         plan.update_csr(
-            p.qo_indptr,
-            p.page_indptr,
-            p.page_indices,
-            p.last_page_len,
+            p.qo_indptr.to(csr_device),
+            p.page_indptr.to(csr_device),
+            p.page_indices.to(csr_device),
+            p.last_page_len.to(csr_device),
             num_qo_heads=hq,
             num_kv_heads=hkv,
             head_dim=D,

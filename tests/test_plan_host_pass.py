@@ -155,6 +155,40 @@ def test_every_shape_class_is_packed_by_the_compiled_pass(lib, shape):
         assert_same_state(numpy_result, compiled_result)
 
 
+@pytest.mark.parametrize("shape", ["decode", "ragged", "empty requests"])
+def test_the_header_pass_for_page_ids_checked_on_the_device_packs_the_same_plan(lib, shape):
+    """With the page ids checked elsewhere (the device pass, given here as a CPU tensor of ids), ``pw_plan_pack``
+    checks and packs the rest, and the state reads the ids into its block on first use: the same plan as the
+    numpy pass builds. A broken header is still refused (the caller then runs the host pass)."""
+    import torch
+
+    page_size, rng = 16, np.random.default_rng(1)
+    seqs, kv_lens = {
+        "decode": ([1] * 64, [4096] * 64),
+        "ragged": ([700, 1, 33, 0, 129], [700, 5000, 40, 3, 129]),
+        "empty requests": ([0, 5, 0], [17, 5, 1]),
+    }[shape]
+    counts = [-(-k // page_size) for k in kv_lens]
+    qo, kv = np.concatenate(([0], np.cumsum(seqs))), np.concatenate(([0], np.cumsum(counts)))
+    ids = rng.permutation(sum(counts) + 10)[: sum(counts)]
+    last = np.array([k - (c - 1) * page_size for k, c in zip(kv_lens, counts)])
+    heads = plan_module._Heads.checked(16, 8, 256, page_size)
+    joined = np.concatenate([qo, kv, last]).astype(np.int64)  # as the device pass reports them
+    n = len(qo)
+    qo, kv, last = joined[:n], joined[n : 2 * n], joined[2 * n :]
+    checked = native.DeviceChecked(
+        qo, kv, last, joined.ctypes.data, len(ids), torch.from_numpy(ids.astype(np.int32)), int(ids.max())
+    )
+    for tile in (None, 16, 64):
+        expected = plan_module._state_from_csr(qo, kv, ids, last, heads, tile, None)
+        state, reason = plan_module._compiled_pass(lib, (qo, kv, None, last), (), heads, tile, None, checked)
+        assert state.device_pages is not None and not state.device_pages.filled
+        assert_same_state(expected, (state, reason))
+        assert state.device_pages.filled
+    last[0] = page_size + 1  # a last page past page_size: refused
+    assert plan_module._compiled_pass(lib, (qo, kv, None, last), (), heads, 16, None, checked) is None
+
+
 def test_a_block_too_small_is_refused_not_overrun(lib):
     qo, kv, ids, last = (np.array(a, dtype=np.int64) for a in ([0, 4, 7], [0, 2, 3], [3, 1, 0], [2, 3]))
     block = np.full(16, -7, dtype=np.int32)  # the plan needs 3 + 3 + 2 + 3 + 2 + 2 + 3 = 18 entries

@@ -23,6 +23,13 @@ loaded, or when the plan is for a CUDA device), and the vectorised numpy pass, w
 every batch the compiled pass hands back (a broken rule, which it names; page ids shared between requests, on
 which it rules; ids too sparse for a table).
 
+CSR tensors already on a GPU are checked where they are: the page-id part of the pass runs there as a kernel
+(``pw_plan_check_pages``, ``kernels/plan_check.cu``: bounds, repeats, the largest id, a copy of the ids) while the
+small arrays are copied to the host for the rest, with one synchronisation in all; the state keeps the ids on the
+device and reads them back only when something on the host asks for them. Any finding of the device pass sends
+the batch to the host's passes, which name the error or rule on shared pages, so all three accept the same
+batches.
+
 Device mirrors: a plan used on a GPU keeps one capacity-sized int32 buffer there whose address never changes
 (CUDA-graph replay reads it in place). Each update writes the live parts into a pinned staging buffer and
 copies them asynchronously on the current stream (one call, ``pw_plan_upload``, where the kernels' library is
@@ -40,6 +47,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -154,6 +162,26 @@ def _segment_offsets(cap: PlanCapacity) -> tuple[int, ...]:
     return tuple(sum(sizes[:i]) for i in range(len(sizes)))
 
 
+class _DevicePageIds:
+    """A state's page ids checked on the device (a plan from CUDA CSR tensors): they stay there, and the page
+    segment of the state's host block is read back from them on first use (:meth:`fill`)."""
+
+    __slots__ = ("ids", "stream", "target", "filled")
+    _fill_lock = threading.Lock()  # fills are rare (host reads of a plan's ids): one lock for all
+
+    def __init__(self, ids: torch.Tensor, target: np.ndarray):
+        self.ids = ids  # [total_pages] int32 on the device, owned by the state (never written again)
+        self.stream = _current_raw_stream(ids.device.index) if ids.is_cuda else None  # the stream ids was made on
+        self.target = target  # [total_pages] the block's page segment (writable view)
+        self.filled = False
+
+    def fill(self) -> None:
+        with self._fill_lock:
+            if not self.filled:
+                self.target[:] = self.ids.cpu().numpy()  # waits for the copy on the current stream
+                self.filled = True
+
+
 class _PlanState(NamedTuple):
     """One validated plan: every array the kernels read plus the scalars the wrappers check. Immutable (a tuple;
     its arrays are read-only); compared by identity."""
@@ -163,8 +191,9 @@ class _PlanState(NamedTuple):
     head_dim: int
     page_size: int
     cta_tile_q: int
-    packed: np.ndarray  # [3 + 3 * batch + 2 + 2 * num_tiles + total_pages] int32: every segment, exactly full
-    page_indices: np.ndarray  # [total_pages] int32
+    block: np.ndarray  # [3 + 3 * batch + 2 + 2 * num_tiles + total_pages] int32: every segment, exactly full
+    # (the page segment not yet read back while device_pages is unfilled: read it through ``packed``)
+    device_pages: _DevicePageIds | None  # the page ids on the device, for a plan from CUDA CSR tensors
     page_indptr: np.ndarray  # [batch + 1] int32
     last_page_len: np.ndarray  # [batch] int32
     qo_indptr: np.ndarray  # [batch + 1] int32
@@ -177,6 +206,17 @@ class _PlanState(NamedTuple):
     total_tokens: int
     total_pages: int
     num_tiles: int
+
+    @property
+    def packed(self) -> np.ndarray:
+        """``block`` with its page segment filled (read back from the device on first use)."""
+        if self.device_pages is not None:
+            self.device_pages.fill()
+        return self.block
+
+    @property
+    def page_indices(self) -> np.ndarray:  # [total_pages] int32
+        return self.packed[len(self.block) - self.total_pages :]
 
     def fits(self, cap: PlanCapacity) -> None:
         for name, value, bound in (
@@ -527,9 +567,13 @@ def _state_of_block(
     num_tiles: int,
     max_page_index: int,
     max_last_page_len: int,
+    device_ids: torch.Tensor | None = None,
 ) -> _PlanState:
-    """The state whose arrays are read-only views of ``packed`` (the block in buffer order, exactly full)."""
+    """The state whose arrays are read-only views of ``packed`` (the block in buffer order, exactly full).
+    ``device_ids``: the page ids, checked on the device; ``packed``'s page segment is then filled from them on
+    first use."""
     o = _packed_offsets(batch, num_tiles)
+    device_pages = None if device_ids is None else _DevicePageIds(device_ids, packed[o[6] :])  # writable view
     packed.flags.writeable = False  # views taken below are read-only too
     start_positions.flags.writeable = False
     return _PlanState(
@@ -538,8 +582,8 @@ def _state_of_block(
         head_dim=heads.head_dim,
         page_size=heads.page_size,
         cta_tile_q=tile,
-        packed=packed,
-        page_indices=packed[o[6] :],
+        block=packed,
+        device_pages=device_pages,
         page_indptr=packed[o[1] : o[2]],
         last_page_len=packed[o[2] : o[3]],
         qo_indptr=packed[o[3] : o[4]],
@@ -583,25 +627,27 @@ def _writable_address(array: np.ndarray) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(array.data))
 
 
-def _compiled_pass(lib, arrays, given, heads: _Heads, tile: int | None, device) -> tuple[_PlanState, str] | None:
+def _compiled_pass(
+    lib, arrays, given, heads: _Heads, tile: int | None, device, checked=None
+) -> tuple[_PlanState, str] | None:
     """The batch validated and packed by ``pw_plan_pack`` (one pass in compiled code), or None when the numpy
     pass must run: an argument it does not take (a dtype other than int32/int64, strided, a size the numpy pass
-    refuses anyway) or any status but OK (the numpy pass then names the error, or rules on shared pages)."""
+    refuses anyway) or any status but OK (the numpy pass then names the error, or rules on shared pages).
+    ``checked``: the page ids' pass already ran on the device (a ``host_pass.DeviceChecked``; ``arrays``'
+    kv_indices is then None): only the rest is checked here, and the state keeps the ids on the device."""
     qo_indptr, kv_indptr, kv_indices, last_page_len = arrays
-    flags = [_NATIVE_DTYPES.get(a.dtype) for a in arrays]
-    if None in flags or not (
-        qo_indptr.flags.c_contiguous
-        and kv_indptr.flags.c_contiguous
-        and kv_indices.flags.c_contiguous
-        and last_page_len.flags.c_contiguous
-    ):
+    host_arrays = (qo_indptr, kv_indptr, last_page_len) if checked is not None else arrays
+    flags = [_NATIVE_DTYPES.get(a.dtype) for a in host_arrays]
+    if None in flags or not all(a.flags.c_contiguous for a in host_arrays):
         return None
+    num_indices = len(kv_indices) if checked is None else checked.num_indices
+    indices_flag = flags[2] if checked is None else 0
     batch = len(last_page_len)
     if len(qo_indptr) != batch + 1 or len(kv_indptr) != batch + 1:
         return None
     total_tokens, total_pages = int(qo_indptr[-1]), int(kv_indptr[-1])
     group = heads.group
-    if not (0 <= total_tokens and total_tokens * group <= INT32_MAX and 0 <= total_pages <= len(kv_indices)):
+    if not (0 <= total_tokens and total_tokens * group <= INT32_MAX and 0 <= total_pages <= num_indices):
         return None
     reason = "explicit"
     if tile is None:
@@ -620,16 +666,21 @@ def _compiled_pass(lib, arrays, given, heads: _Heads, tile: int | None, device) 
     out = np.empty(5 + batch + bound, dtype=np.int32)  # [5 + batch + bound]: scalars, start positions, block
     address = _writable_address(out)
     given = given or (None,) * 4
+    addresses: list[int | None]
+    if checked is None:
+        addresses = [_address(a, g) for a, g in zip(arrays, given)]
+    else:  # one int64 array: qo_indptr [batch + 1], kv_indptr [batch + 1], last_page_len [batch]
+        addresses = [checked.address, checked.address + 8 * (batch + 1), None, checked.address + 16 * (batch + 1)]
     status = lib.pw_plan_pack(
-        _address(qo_indptr, given[0]),
+        addresses[0],
         flags[0],
-        _address(kv_indptr, given[1]),
+        addresses[1],
         flags[1],
-        _address(kv_indices, given[2]),
-        flags[2],
-        len(kv_indices),
-        _address(last_page_len, given[3]),
-        flags[3],
+        addresses[2],
+        indices_flag,
+        num_indices,
+        addresses[3],
+        flags[-1],
         batch,
         heads.page_size,
         group,
@@ -642,6 +693,8 @@ def _compiled_pass(lib, arrays, given, heads: _Heads, tile: int | None, device) 
     if status != 0:
         return None
     high, max_last, total_tokens, total_pages, num_tiles = out[:5].tolist()
+    if checked is not None:
+        high = checked.max_page_index
     entries = _packed_offsets(batch, num_tiles)[6] + total_pages
     state = _state_of_block(
         heads,
@@ -654,8 +707,46 @@ def _compiled_pass(lib, arrays, given, heads: _Heads, tile: int | None, device) 
         num_tiles=num_tiles,
         max_page_index=high,
         max_last_page_len=max_last,
+        device_ids=None if checked is None else checked.page_ids,
     )
     return state, reason
+
+
+def _state_from_device_csr(given, heads: _Heads, tile: int | None, device, bound: int | None):
+    """For CSR tensors on a GPU: the page ids checked there (``host_pass.DeviceChecked``) and the rest by the
+    compiled pass on host copies of the small arrays, one synchronisation in all. Returns (state, tile reason),
+    or None where the host's pass must run instead: inputs of another kind, no kernels library, or any finding
+    of the device pass (the host's pass names the error, or rules on page ids shared between requests).
+    ``bound``: the most page ids the plan may hold (a preallocated plan's capacity), None for none."""
+    first = given[2]
+    if type(first) is not torch.Tensor or not first.is_cuda:
+        return None
+    on = first.device
+    sizes = []
+    for t in given:  # every planning call passes here: one cheap expression per tensor
+        if not (
+            type(t) is torch.Tensor
+            and t.device == on
+            and t.dtype in _CUDA_CSR_DTYPES
+            and t.dim() == 1
+            and t.is_contiguous()
+        ):
+            return None
+        sizes.append(t.shape[0])
+    batch = sizes[3]
+    if batch < 1 or sizes[0] != batch + 1 or sizes[1] != batch + 1:
+        return None
+    where = _cuda_device(on)
+    if device is not None and device is not on and _cuda_device(device) != where:  # a plan for another device
+        return None
+    check = _host_pass().device_check(where)
+    if check is None:
+        return None
+    checked = check.run(given, sizes, bound)
+    if checked is None:
+        return None
+    arrays = (checked.qo_indptr, checked.kv_indptr, None, checked.last_page_len)
+    return _compiled_pass(check.lib, arrays, (), heads, tile, device if device is not None else on, checked)
 
 
 _CsrArrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
@@ -870,14 +961,23 @@ class _DeviceMirror:
         """The same upload in one call (``pw_plan_upload``, device ``index`` current): wait for the staging
         buffer's last copy, write the live segments into it, enqueue the copies, record the turn's event."""
         sizes = np.array(_packed_sizes(state), dtype=np.int64)  # [7] the live segments
+        stream = _current_raw_stream(index)
+        pages = state.device_pages
+        if pages is not None and pages.ids.device.index == index:  # ids checked on this device: copied there
+            if stream != pages.stream:  # keep the ids' memory until this stream's copy has run
+                pages.ids.record_stream(torch.cuda.current_stream(index))
+            block, device_pages = state.block, pages.ids.data_ptr()
+        else:
+            block, device_pages = state.packed, None
         status = self.lib.pw_plan_upload(
             self.buffer.data_ptr(),
             staging.data_ptr(),
-            state.packed.ctypes.data,
+            block.ctypes.data,
             self.offsets_address,
             _writable_address(sizes),
             self.MAX_COPIED_GAP,
-            _current_raw_stream(index),
+            device_pages,
+            stream,
             self.events_address + 8 * turn,
         )
         if status != 0:
@@ -1090,7 +1190,8 @@ class PrefillPagedPlan:
         heads = _Heads.checked(num_qo_heads, num_kv_heads, head_dim, page_size)
         tile = None if cta_tile_q is None else _check_tile(cta_tile_q)
         given = (qo_indptr, kv_indptr, kv_indices, last_page_len)
-        state, reason = _state_from_csr(*_csr_arrays(*given), heads, tile, device, given=given)
+        found = _state_from_device_csr(given, heads, tile, device, None)
+        state, reason = found or _state_from_csr(*_csr_arrays(*given), heads, tile, device, given=given)
         return cls._exact(state, reason, device)
 
     @classmethod
@@ -1160,7 +1261,8 @@ class PrefillPagedPlan:
         heads = _Heads.checked(num_qo_heads, num_kv_heads, head_dim, page_size)
         tile = self._update_tile(cta_tile_q)
         given = (qo_indptr, kv_indptr, kv_indices, last_page_len)
-        state, _ = _state_from_csr(*_csr_arrays(*given), heads, tile, self._device, given=given)
+        found = _state_from_device_csr(given, heads, tile, self._device, self.capacity.max_total_pages)
+        state, _ = found or _state_from_csr(*_csr_arrays(*given), heads, tile, self._device, given=given)
         state.fits(self.capacity)
         self._commit(state)
         return self

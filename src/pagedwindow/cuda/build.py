@@ -52,6 +52,7 @@ SOURCES = (
     "decode_hd256.cu",
     "append_paged_kv.cu",
     "prepare_qkv.cu",
+    "plan_check.cu",
     "plan_pack.cpp",
 )
 BASE_FLAGS = ("-O3", "-std=c++17", "-lineinfo", "--expt-relaxed-constexpr", "-Xptxas=-v,--warn-on-spills")

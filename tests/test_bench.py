@@ -233,6 +233,7 @@ def test_plan_times_of_pagedwindow_on_the_host():
     w = bench.Workload("small", (5, 1), (0, 20), page_size=16)
     times = bench.plan_times("pagedwindow", w, bench.make_inputs(w, torch.Generator().manual_seed(0), "cpu"), 3)
     assert times["plan_ms"] > 0 and times["update_plan_ms"] > 0 and times["plan_inputs"]["kv_indices"] == "cpu"
+    assert times["plan_ms_host_csr"] > 0 and times["update_plan_ms_host_csr"] > 0
 
 
 def test_peers_without_a_plan_step():

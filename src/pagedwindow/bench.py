@@ -7,9 +7,11 @@ system and workload gets three times:
   N consecutive calls, synchronize, divided by N; the median of a few such loops. The plan is built beforehand.
 - ``ms``: kernel time: the median of CUDA-event pairs over rotated input sets, with the host queued ahead of the
   GPU (a device sleep first) so launch overhead does not leak in.
-- ``plan_ms``: host time of planning the batch from its CSR page table (pagedwindow ``from_csr``, FlashInfer
-  ``wrapper.plan``), and ``update_plan_ms`` for pagedwindow's in-place ``update_csr`` (a serving loop re-plans every
-  step). ``None`` where a system has no plan step.
+- ``plan_ms``: host time of planning the batch from its CSR page table given as CUDA tensors (pagedwindow
+  ``from_csr``, FlashInfer ``wrapper.plan``), and ``update_plan_ms`` for pagedwindow's in-place ``update_csr`` (a
+  serving loop re-plans every step). ``None`` where a system has no plan step. Also recorded: pagedwindow from
+  the CPU CSR (``plan_ms_host_csr``, ``update_plan_ms_host_csr``) and FlashInfer with host indptrs
+  (``plan_ms_host_indptr``).
 
 Useful FLOPs count visible (query, key) pairs only: ``4 * head_dim * num_qo_heads * sum(visible)``. The bf16 GEMM
 rate is measured in the same run. Results are named after the GPU: ``<gpu-slug>-<date>[-label].json`` / ``.md``.
@@ -398,10 +400,11 @@ NO_PLAN = {
 def plan_times(system: str, w: Workload, inp: Inputs, reps: int) -> dict:
     """Host time of planning ``inp``'s batch from its CSR as each system's user does it: record fields.
 
-    pagedwindow: ``PrefillPagedPlan.from_csr`` of the CPU int32 CSR (a new plan) and ``update_csr`` (in place).
+    pagedwindow: ``PrefillPagedPlan.from_csr`` (a new plan) and ``update_csr`` (in place) of the int32 CSR as CUDA
+    tensors (``plan_ms``, ``update_plan_ms``: the page ids checked on the GPU) and as CPU tensors (``*_host_csr``).
     FlashInfer: ``wrapper.plan`` on a warm wrapper with every array a CUDA tensor (its documentation's form;
-    ``plan_ms``), and with the indptrs and last_page_len on the host (vLLM's form; ``plan_ms_host_indptr``). It has
-    no separate update: a serving loop calls ``wrapper.plan`` every step.
+    ``plan_ms``), and with the indptrs and last_page_len on the host (vLLM's form; ``plan_ms_host_indptr``; the
+    page ids stay on the GPU in both). It has no separate update: a serving loop calls ``wrapper.plan`` every step.
     """
     if system != "pagedwindow" and system not in FLASHINFER_SYSTEMS:
         return dict(NO_PLAN)
@@ -409,12 +412,19 @@ def plan_times(system: str, w: Workload, inp: Inputs, reps: int) -> dict:
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     if system == "pagedwindow":
         kwargs = plan_kwargs(w, inp.cta_tile_q)
-        plan = pw.PrefillPagedPlan.from_csr(*inp.csr, **kwargs, device=device)
+        on_device = Csr(*(t.to(device) for t in inp.csr))
+        plan = pw.PrefillPagedPlan.from_csr(*on_device, **kwargs, device=device)
+        host_plan = pw.PrefillPagedPlan.from_csr(*inp.csr, **kwargs, device=device)
         return {
-            "plan_ms": host_ms(lambda: pw.PrefillPagedPlan.from_csr(*inp.csr, **kwargs, device=device), reps, sync),
-            "update_plan_ms": host_ms(lambda: plan.update_csr(*inp.csr, **kwargs), reps, sync),
-            "plan_inputs": dict.fromkeys(Csr._fields, "cpu"),
-            "plan_status": "from_csr (new plan) / update_csr (in place) of the CPU int32 CSR",
+            "plan_ms": host_ms(lambda: pw.PrefillPagedPlan.from_csr(*on_device, **kwargs, device=device), reps, sync),
+            "update_plan_ms": host_ms(lambda: plan.update_csr(*on_device, **kwargs), reps, sync),
+            "plan_ms_host_csr": host_ms(
+                lambda: pw.PrefillPagedPlan.from_csr(*inp.csr, **kwargs, device=device), reps, sync
+            ),
+            "update_plan_ms_host_csr": host_ms(lambda: host_plan.update_csr(*inp.csr, **kwargs), reps, sync),
+            "plan_inputs": dict.fromkeys(Csr._fields, device.type),
+            "plan_status": f"from_csr (new plan) / update_csr (in place) of the {device.type} int32 CSR; "
+            "*_host_csr: of the CPU int32 CSR",
         }
     wrapper = _flashinfer_wrapper(system.removeprefix("flashinfer_"), device)
     on_device = Csr(*(t.to(device) for t in inp.csr))
@@ -668,7 +678,7 @@ def markdown_table(result: dict) -> str:
         "",
         "e2e: back-to-back API calls, wall clock, host not queued ahead; kernel: CUDA events, host queued "
         "ahead; plan: host time of planning from the CSR page table (pagedwindow `from_csr`, FlashInfer "
-        "`wrapper.plan` with CUDA-tensor arrays); update: pagedwindow's in-place `update_csr` (FlashInfer "
+        "`wrapper.plan`, both given CUDA-tensor arrays); update: pagedwindow's in-place `update_csr` (FlashInfer "
         "re-plans with `wrapper.plan`: its plan ms).",
     ]
     host_indptr = [
@@ -682,6 +692,13 @@ def markdown_table(result: dict) -> str:
             "FlashInfer plan ms with the indptrs and last_page_len on the host (vLLM's form): "
             + ", ".join(host_indptr),
         ]
+    host_csr = [
+        f"{r['workload']} {r['plan_ms_host_csr']:.4f} / {_num(r.get('update_plan_ms_host_csr'), '.4f')}"
+        for r in timed
+        if r["system"] == "pagedwindow" and r.get("plan_ms_host_csr") is not None
+    ]
+    if host_csr:
+        lines += ["", "pagedwindow plan / update ms from the CSR on the host (CPU tensors): " + ", ".join(host_csr)]
     tiles = [
         f"{r['workload']} {r['cta_tile_q']}"
         for r in timed

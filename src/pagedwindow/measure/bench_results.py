@@ -4,7 +4,8 @@ Schema: ``{"gpu": str, "peak_bf16_tflops": float, "records": [record, ...]}`` (`
 ``tile_override`` ... optional). A *timing record* has ``system``, ``workload`` and ``ms`` (kernel time; ``null`` =
 the system is missing or failed; ``status`` may say why), ``useful_tflops`` and ``max_abs_err`` (numbers or
 ``null``); newer files add ``e2e_ms`` (back-to-back API calls), ``plan_ms`` / ``update_plan_ms`` (host planning;
-``null`` where not applicable) and ``plan_ms_host_indptr``, numbers or ``null`` when present. Records without ``ms``
+``null`` where not applicable), ``plan_ms_host_indptr`` (FlashInfer) and ``plan_ms_host_csr`` /
+``update_plan_ms_host_csr`` (pagedwindow from CPU tensors), numbers or ``null`` when present. Records without ``ms``
 are auxiliary metrics (e.g. ``{"metric": "allocations_per_10_calls", "value": 0}``) and are listed apart.
 
 The prep suite (``pagedwindow bench --prep``) writes ``<gpu>-<date>-prep[-label].json`` with ``"suite": "prep"``,
@@ -22,7 +23,15 @@ from pathlib import Path
 
 SYSTEMS = ("pagedwindow", "flashinfer_fa2", "flashinfer_fa3", "flex", "sdpa")
 FLASHINFER_SYSTEMS = ("flashinfer_fa2", "flashinfer_fa3")
-TIMES = ("e2e_ms", "ms", "plan_ms", "update_plan_ms", "plan_ms_host_indptr")
+TIMES = (
+    "e2e_ms",
+    "ms",
+    "plan_ms",
+    "update_plan_ms",
+    "plan_ms_host_indptr",
+    "plan_ms_host_csr",
+    "update_plan_ms_host_csr",
+)
 """A record's times in ms (``ms``: kernel time); each a number or null."""
 RESULTS_PATTERN = re.compile(r"^([a-z0-9]+(?:-[a-z0-9]+)*?)-(\d{4}-\d{2}-\d{2})(.*)\.json$")
 """``<gpu-slug>-<date>[-label].json`` (``h200-2026-12-02.json``); group 2 is the date."""

@@ -3,7 +3,10 @@
 Usage on a GPU machine: ``python3 benchmarks/plan_profile.py``; prints a table (µs, medians, the device idle
 before each call). ``--cprofile [--workload NAME] [--calls N]`` instead runs cProfile over N back-to-back
 ``from_csr(..., device="cuda")`` calls (default: decode_64x4096, 2000 calls) and prints the top functions by own
-time and by cumulative time, in µs per ``from_csr`` call."""
+time and by cumulative time, in µs per ``from_csr`` call. ``--forms [--shapes "B,N,C,P;..."]`` times planning
+by the form of the CSR arrays: pagedwindow's ``from_csr`` / ``update_csr`` of CUDA and of CPU tensors, and
+FlashInfer fa2's ``plan`` (CUDA arrays; host indptrs) when flashinfer imports, every form interleaved round by
+round; a shape is B requests of N new tokens on C cached keys with page size P, page ids shuffled."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import torch
 import pagedwindow as pw
 from pagedwindow import bench
 from pagedwindow import plan as plan_module
-from pagedwindow.cuda import ops
+from pagedwindow.cuda import host_pass, ops
 
 WORKLOADS = ("prompts_32x128", "chunk_512_on_30000", "decode_64x4096", "decode_256x2000_p32", "prefill_8x2048")
 
@@ -79,14 +82,14 @@ def profile(name: str, device: torch.device) -> dict:
     }
 
 
-def cprofile(name: str, device: torch.device, calls: int, top: int = 25) -> None:
+def cprofile(name: str, device: torch.device, calls: int, top: int = 25, csr_device: str = "cpu") -> None:
     """cProfile over ``calls`` back-to-back ``from_csr`` calls for workload ``name`` on ``device``, each plan kept
     until the next one is built (a serving loop's ``plan = from_csr(...)``); prints the ``top`` functions by own
-    time and by cumulative time, in µs per call of ``from_csr``."""
+    time and by cumulative time, in µs per call of ``from_csr``. ``csr_device``: where the CSR tensors are."""
     w = bench.WORKLOADS[name]
     inp = bench.make_inputs(w, torch.Generator().manual_seed(0), device)
     kwargs = {k: v for k, v in bench.plan_kwargs(w).items() if v is not None}
-    given = tuple(inp.csr)
+    given = tuple(t.to(csr_device) for t in inp.csr)
 
     def loop(n: int) -> float:
         plan = None
@@ -105,7 +108,8 @@ def cprofile(name: str, device: torch.device, calls: int, top: int = 25) -> None
     profiled = loop(calls)
     profiler.disable()
     print(
-        f"\n{name}: from_csr(device={str(device)!r}) {plain:.1f} µs per call back to back, {profiled:.1f} µs "
+        f"\n{name}: from_csr({csr_device} CSR, device={str(device)!r}) {plain:.1f} µs per call back to back, "
+        f"{profiled:.1f} µs "
         f"under cProfile ({calls} calls)"
     )
     rows = []  # (own µs, cumulative µs, calls, function) per from_csr call
@@ -118,16 +122,110 @@ def cprofile(name: str, device: torch.device, calls: int, top: int = 25) -> None
             print(f"{own:8.2f} {cumulative:8.2f} {per_call:6.2f}  {where}")
 
 
+FORM_SHAPES = "64,1,4095,16;256,1,1999,32;8,2048,0,16;64,1,32767,16;512,1,4095,16;64,1,4095,1"
+"""``--forms``' default shapes: the issue's two decode batches, 8 x 2048, then the sweep's largest page tables."""
+
+
+def _shape_csr(batch: int, new: int, cached: int, page: int, gen: torch.Generator):
+    """CPU int32 CSR of ``batch`` requests of ``new`` rows on ``cached`` keys, page ids a random permutation."""
+    pages = -(-(cached + new) // page)
+    qo = torch.arange(batch + 1, dtype=torch.int32) * new
+    kv = torch.arange(batch + 1, dtype=torch.int32) * pages
+    ids = torch.randperm(batch * pages + 8, generator=gen)[: batch * pages].to(torch.int32)
+    last = torch.full((batch,), (cached + new - 1) % page + 1, dtype=torch.int32)
+    return bench.Csr(qo, kv, ids, last)
+
+
+def _without_device_pass(fn):
+    """``fn()`` with CUDA CSR tensors read to the host and checked there (the device pass switched off)."""
+    saved = plan_module._state_from_device_csr
+    plan_module._state_from_device_csr = lambda *args: None
+    try:
+        return fn()
+    finally:
+        plan_module._state_from_device_csr = saved
+
+
+def _form_row(text: str, device: torch.device, reps: int, gen: torch.Generator, with_flashinfer: bool) -> dict:
+    """One shape's median host ms in every form, the forms interleaved round by round."""
+    batch, new, cached, page = map(int, text.split(","))
+    w = bench.Workload(f"b{batch}_n{new}_c{cached}_p{page}", (new,) * batch, (cached,) * batch, page_size=page)
+    host = _shape_csr(batch, new, cached, page, gen)
+    cuda = bench.Csr(*(t.to(device) for t in host))
+    kwargs = {k: v for k, v in bench.plan_kwargs(w).items() if v is not None}
+    plan = pw.PrefillPagedPlan.from_csr(*cuda, **kwargs, device=device)
+    host_plan = pw.PrefillPagedPlan.from_csr(*host, **kwargs, device=device)
+    check = host_pass.device_check(device)
+    assert plan.to_dict() == host_plan.to_dict(), f"{w.name}: the GPU CSR plan differs from the host one"
+    timed = {
+        "from_csr cuda": lambda: pw.PrefillPagedPlan.from_csr(*cuda, **kwargs, device=device),
+        "update_csr cuda": lambda: plan.update_csr(*cuda, **kwargs),
+        "from_csr cpu": lambda: pw.PrefillPagedPlan.from_csr(*host, **kwargs, device=device),
+        "update_csr cpu": lambda: host_plan.update_csr(*host, **kwargs),
+        "from_csr cuda, read to host": lambda: _without_device_pass(
+            lambda: pw.PrefillPagedPlan.from_csr(*cuda, **kwargs, device=device)
+        ),
+        "update_csr cuda, read to host": lambda: _without_device_pass(lambda: plan.update_csr(*cuda, **kwargs)),
+        "device check alone": lambda: check.run(tuple(cuda), [len(t) for t in cuda], None),
+        "indptr .cpu()": lambda: cuda.kv_indptr.cpu(),
+    }
+    if with_flashinfer:
+        wrapper = bench._flashinfer_wrapper("fa2", device)
+        host_indptr = host._replace(kv_indices=cuda.kv_indices)
+        timed["fa2 plan cuda"] = lambda: bench._flashinfer_plan(wrapper, cuda, w)
+        timed["fa2 plan host indptr"] = lambda: bench._flashinfer_plan(wrapper, host_indptr, w)
+    times: dict[str, list[float]] = {name: [] for name in timed}
+    for fn in timed.values():
+        for _ in range(5):
+            fn()
+    for _ in range(reps):
+        for name, fn in timed.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    row: dict = {"shape": w.name, "page ids": batch * (-(-(cached + new) // page))}
+    row.update({name: statistics.median(t) for name, t in times.items()})
+    return row
+
+
+def forms(shapes: str, device: torch.device, reps: int) -> list[dict]:
+    """Median host ms of planning each shape in every form, the forms interleaved round by round."""
+    try:
+        import flashinfer  # noqa: F401
+
+        with_flashinfer = True
+    except ImportError:
+        with_flashinfer = False
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for text in shapes.split(";"):
+        rows.append(_form_row(text, device, reps, gen, with_flashinfer))
+        print(rows[-1], flush=True)
+    keys = list(rows[0])
+    print("\nplan ms by CSR form (medians, interleaved)\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
+    for r in rows:
+        print("| " + " | ".join(str(r[k]) if k in ("shape", "page ids") else f"{r[k]:.4f}" for k in keys) + " |")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cprofile", action="store_true", help="profile back-to-back from_csr calls instead")
     parser.add_argument("--workload", default="decode_64x4096", choices=WORKLOADS, help="--cprofile's workload")
     parser.add_argument("--calls", type=int, default=2000, help="--cprofile's from_csr calls")
+    parser.add_argument("--csr-device", default="cpu", help="--cprofile's CSR tensors: cpu or cuda")
+    parser.add_argument("--forms", action="store_true", help="time planning by CSR form against FlashInfer")
+    parser.add_argument("--shapes", default=FORM_SHAPES, help='--forms\' shapes: "B,N,C,P;..."')
+    parser.add_argument("--reps", type=int, default=100, help="--forms' rounds")
     args = parser.parse_args()
     device = torch.device("cuda")
     ops.library(device)
+    if args.forms:
+        forms(args.shapes, device, args.reps)
+        return
     if args.cprofile:
-        cprofile(args.workload, device, args.calls)
+        cprofile(args.workload, device, args.calls, csr_device=args.csr_device)
         return
     rows = []
     for name in WORKLOADS:

@@ -3,7 +3,7 @@
 Usage on a GPU machine: ``python3 benchmarks/plan_profile.py``; prints a table (µs, medians, the device idle
 before each call). ``--cprofile [--workload NAME] [--calls N]`` instead runs cProfile over N back-to-back
 ``from_csr(..., device="cuda")`` calls (default: decode_64x4096, 2000 calls) and prints the top functions by own
-time and by cumulative time, in µs per ``from_csr`` call. ``--forms [--shapes "B,N,C,P;..."]`` times planning
+time and by cumulative time, in µs per ``from_csr`` call. ``--forms [--shapes "B,N,C,P;..." | sweep]`` times planning
 by the form of the CSR arrays: pagedwindow's ``from_csr`` / ``update_csr`` of CUDA and of CPU tensors, and
 FlashInfer fa2's ``plan`` (CUDA arrays; host indptrs) when flashinfer imports, every form interleaved round by
 round; a shape is B requests of N new tokens on C cached keys with page size P, page ids shuffled."""
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 import pagedwindow as pw
-from pagedwindow import bench
+from pagedwindow import bench, bench_sweep
 from pagedwindow import plan as plan_module
 from pagedwindow.cuda import host_pass, ops
 
@@ -122,8 +122,12 @@ def cprofile(name: str, device: torch.device, calls: int, top: int = 25, csr_dev
             print(f"{own:8.2f} {cumulative:8.2f} {per_call:6.2f}  {where}")
 
 
-FORM_SHAPES = "64,1,4095,16;256,1,1999,32;8,2048,0,16;64,1,32767,16;512,1,4095,16;64,1,4095,1"
-"""``--forms``' default shapes: the issue's two decode batches, 8 x 2048, then the sweep's largest page tables."""
+FORM_SHAPES = (
+    "64,1,4095,16;256,1,1999,32;8,2048,0,16;32,128,0,16;1,512,30000,16;1,1024,0,16;1,1,0,16;"
+    "64,1,32767,16;512,1,4095,16;64,1,4095,1"
+)
+"""``--forms``' default shapes: the issue's two decode batches, the serving prefills, a single short prompt and a
+single token, then the sweep's largest page tables."""
 
 
 def _shape_csr(batch: int, new: int, cached: int, page: int, gen: torch.Generator):
@@ -199,6 +203,9 @@ def forms(shapes: str, device: torch.device, reps: int) -> list[dict]:
         with_flashinfer = False
     gen = torch.Generator().manual_seed(0)
     rows = []
+    if shapes == "sweep":  # every distinct batch shape of `pagedwindow bench --sweep` (the window does not plan)
+        points = [p for s in bench_sweep.sweep_slices() for p in s.points]
+        shapes = ";".join(sorted({f"{p.batch},{p.new_tokens},{p.cached},{p.page_size}" for p in points}))
     for text in shapes.split(";"):
         rows.append(_form_row(text, device, reps, gen, with_flashinfer))
         print(rows[-1], flush=True)
@@ -216,7 +223,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=2000, help="--cprofile's from_csr calls")
     parser.add_argument("--csr-device", default="cpu", help="--cprofile's CSR tensors: cpu or cuda")
     parser.add_argument("--forms", action="store_true", help="time planning by CSR form against FlashInfer")
-    parser.add_argument("--shapes", default=FORM_SHAPES, help='--forms\' shapes: "B,N,C,P;..."')
+    parser.add_argument("--shapes", default=FORM_SHAPES, help='--forms\' shapes: "B,N,C,P;..." or "sweep"')
     parser.add_argument("--reps", type=int, default=100, help="--forms' rounds")
     args = parser.parse_args()
     device = torch.device("cuda")

@@ -93,6 +93,12 @@ BAD_COUNT, OUT_OF_RANGE, OUTSIDE_TABLE, REPEATED = 1, 2, 4, 8
 _CSR_DTYPES = {torch.int32: 0, torch.int64: 1}
 
 
+class _Findings(ctypes.Structure):
+    """The head of ``PwPageCheckReport``: what the pass found."""
+
+    _fields_ = [("flags", _i), ("max_id", _i), ("count", _ll)]
+
+
 class DeviceChecked(NamedTuple):
     """What the device pass hands the plan: host copies of the small arrays, and the page ids on the device."""
 
@@ -122,22 +128,26 @@ class DevicePageCheck:
         scratch_words = -(-lib.pw_plan_check_scratch_bytes() // 4)
         self.scratch = torch.zeros(scratch_words, dtype=torch.int32, device=self.device)  # zero between passes
         self.report_address, self.report_batch = 0, 0  # mapped host memory, made by _report_for
+        self.report: np.ndarray = np.zeros(0, dtype=np.int64)
+        self.findings: _Findings | None = None
         self.block = PageCheckLaunch(scratch=self.scratch.data_ptr(), num_sms=device_traits(self.device)[1])
         self.lock = threading.Lock()
 
     def _report_for(self, batch: int) -> np.ndarray:
-        """The mapped host report, with room for ``batch`` requests, as int64 words (a view)."""
+        """The mapped host report, with room for ``batch`` requests, as int64 words (a view, made once per size)."""
         if batch > self.report_batch:
             size = max(batch, 2 * self.report_batch, 64)
+            words = self.lib.pw_plan_check_report_bytes(size) // 8
             address = ctypes.c_void_p()
-            status = self.lib.pw_plan_check_host_alloc(self.lib.pw_plan_check_report_bytes(size), ctypes.byref(address))
+            status = self.lib.pw_plan_check_host_alloc(8 * words, ctypes.byref(address))
             if status != 0:
                 raise RuntimeError(f"mapped host memory for the device page-id check: CUDA error {status}")
             if self.report_address:
                 self.lib.pw_plan_check_host_free(self.report_address)
             self.report_address, self.report_batch = address.value, size
-        words = self.lib.pw_plan_check_report_bytes(self.report_batch) // 8
-        return np.ctypeslib.as_array((ctypes.c_int64 * words).from_address(self.report_address))
+            self.report = np.ctypeslib.as_array((ctypes.c_int64 * words).from_address(address.value))  # [words]
+            self.findings = _Findings.from_address(address.value)  # the report's head, read in place
+        return self.report
 
     def run(self, given: tuple[torch.Tensor, ...], sizes, bound: int | None) -> DeviceChecked | None:
         """Check ``given`` = (qo_indptr, kv_indptr, kv_indices, last_page_len), 1-D contiguous int32/int64 tensors
@@ -170,15 +180,15 @@ class DevicePageCheck:
                     )
                 if status != 0:
                     raise RuntimeError(f"the device page-id check on {self.device} failed: status {status}")
-                head = report[:2].copy()  # [2]: (flags, max_id) as two int32, count
-                flags, high = (int(x) for x in head[:1].view(np.int32))
-                count = int(head[1])
+                findings = self.findings
+                assert findings is not None  # made with the report
+                flags, high, count = findings.flags, findings.max_id, findings.count
                 if flags != OUTSIDE_TABLE or not self._grow(high, count):
                     break
             if flags:
                 return None
             arrays = report[2 : 2 + 3 * batch + 2].copy()  # [3 * batch + 2] int64
-        page_ids = ids[:count]
+        page_ids = ids if count == num_indices else ids[:count]
         if num_indices > 2 * count + 65536:  # do not hold a capacity-sized copy for a small batch
             page_ids = page_ids.clone()
         n = batch + 1

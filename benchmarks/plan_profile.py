@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import pstats
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -150,8 +152,9 @@ def _without_device_pass(fn):
         plan_module._state_from_device_csr = saved
 
 
-def _form_row(text: str, device: torch.device, reps: int, gen: torch.Generator, with_flashinfer: bool) -> dict:
-    """One shape's median host ms in every form, the forms interleaved round by round."""
+def _form_row(text: str, device: torch.device, reps: int, gen: torch.Generator, wrapper) -> dict:
+    """One shape's median host ms in every form, the forms interleaved round by round (``wrapper``: a warm fa2
+    wrapper, or None without FlashInfer)."""
     batch, new, cached, page = map(int, text.split(","))
     w = bench.Workload(f"b{batch}_n{new}_c{cached}_p{page}", (new,) * batch, (cached,) * batch, page_size=page)
     host = _shape_csr(batch, new, cached, page, gen)
@@ -173,8 +176,7 @@ def _form_row(text: str, device: torch.device, reps: int, gen: torch.Generator, 
         "device check alone": lambda: check.run(tuple(cuda), [len(t) for t in cuda], None),
         "indptr .cpu()": lambda: cuda.kv_indptr.cpu(),
     }
-    if with_flashinfer:
-        wrapper = bench._flashinfer_wrapper("fa2", device)
+    if wrapper is not None:
         host_indptr = host._replace(kv_indices=cuda.kv_indices)
         timed["fa2 plan cuda"] = lambda: bench._flashinfer_plan(wrapper, cuda, w)
         timed["fa2 plan host indptr"] = lambda: bench._flashinfer_plan(wrapper, host_indptr, w)
@@ -193,26 +195,36 @@ def _form_row(text: str, device: torch.device, reps: int, gen: torch.Generator, 
     return row
 
 
-def forms(shapes: str, device: torch.device, reps: int) -> list[dict]:
-    """Median host ms of planning each shape in every form, the forms interleaved round by round."""
+def forms(shapes: str, device: torch.device, reps: int, json_path: str | None = None) -> list[dict]:
+    """Median host ms of planning each shape in every form, the forms interleaved round by round; the rows also
+    go to ``json_path`` when given, with how many shapes each pagedwindow form is at or below fa2's CUDA-array
+    ``plan``."""
     try:
         import flashinfer  # noqa: F401
 
-        with_flashinfer = True
+        wrapper = bench._flashinfer_wrapper("fa2", device)  # one warm wrapper (its workspace) for every shape
     except ImportError:
-        with_flashinfer = False
+        wrapper = None
     gen = torch.Generator().manual_seed(0)
     rows = []
     if shapes == "sweep":  # every distinct batch shape of `pagedwindow bench --sweep` (the window does not plan)
         points = [p for s in bench_sweep.sweep_slices() for p in s.points]
         shapes = ";".join(sorted({f"{p.batch},{p.new_tokens},{p.cached},{p.page_size}" for p in points}))
     for text in shapes.split(";"):
-        rows.append(_form_row(text, device, reps, gen, with_flashinfer))
+        rows.append(_form_row(text, device, reps, gen, wrapper))
         print(rows[-1], flush=True)
     keys = list(rows[0])
     print("\nplan ms by CSR form (medians, interleaved)\n| " + " | ".join(keys) + " |\n|" + "---|" * len(keys))
     for r in rows:
         print("| " + " | ".join(str(r[k]) if k in ("shape", "page ids") else f"{r[k]:.4f}" for k in keys) + " |")
+    at_or_below = {}
+    if wrapper is not None:
+        for form in ("from_csr cuda", "update_csr cuda", "from_csr cpu", "update_csr cpu"):
+            at_or_below[form] = sum(r[form] <= r["fa2 plan cuda"] for r in rows)
+            print(f"{form}: at or below fa2's CUDA-array plan at {at_or_below[form]} of {len(rows)} shapes")
+    if json_path:
+        gpu = torch.cuda.get_device_name(device)
+        Path(json_path).write_text(json.dumps({"gpu": gpu, "reps": reps, "rows": rows, "at_or_below_fa2": at_or_below}))
     return rows
 
 
@@ -225,11 +237,12 @@ def main() -> None:
     parser.add_argument("--forms", action="store_true", help="time planning by CSR form against FlashInfer")
     parser.add_argument("--shapes", default=FORM_SHAPES, help='--forms\' shapes: "B,N,C,P;..." or "sweep"')
     parser.add_argument("--reps", type=int, default=100, help="--forms' rounds")
+    parser.add_argument("--json", default=None, help="--forms: also write the rows to this JSON file")
     args = parser.parse_args()
     device = torch.device("cuda")
     ops.library(device)
     if args.forms:
-        forms(args.shapes, device, args.reps)
+        forms(args.shapes, device, args.reps, args.json)
         return
     if args.cprofile:
         cprofile(args.workload, device, args.calls, csr_device=args.csr_device)

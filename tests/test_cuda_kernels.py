@@ -11,6 +11,8 @@ from pagedwindow.layout import checked_paged_geometry
 from pagedwindow.plan import SPLIT_KV_UNITS_PER_SM
 from pagedwindow.testing import dense_attention, error_bound, max_abs_err, random_batch, run_kernel_case
 
+from .plan_buffers import live_entries
+
 pytestmark = pytest.mark.cuda
 D = 256
 
@@ -226,21 +228,6 @@ def test_cuda_graph_replay_across_every_update_equals_eager(tile, csr_device):
         )
 
 
-def _live_entries(plan: pw.PrefillPagedPlan, buffer: torch.Tensor) -> list[list[int]]:
-    """The live part of each segment of a capacity-sized plan buffer (what the kernels read)."""
-    views = plan._views(buffer.cpu())
-    b, t, p = plan.batch_size, plan.num_tiles, plan.total_pages
-    return [
-        views.scalars.tolist(),
-        views.page_indptr[: b + 1].tolist(),
-        views.last_page_len[:b].tolist(),
-        views.qo_indptr[: b + 1].tolist(),
-        views.request_indices[:t].tolist(),
-        views.qo_tile_indices[:t].tolist(),
-        views.page_indices[:p].tolist(),
-    ]
-
-
 @pytest.mark.parametrize("passes", ["compiled", "numpy and torch copies"])
 @pytest.mark.parametrize("max_tiles", [None, 64, 100_000], ids=["exact", "one-copy", "two-copies"])
 def test_every_upload_shape_fills_the_live_entries(max_tiles, passes, monkeypatch):
@@ -271,8 +258,8 @@ def test_every_upload_shape_fills_the_live_entries(max_tiles, passes, monkeypatc
     for plan, b in zip(plans, batches):
         if max_tiles is not None:
             plan.update(*b, **kwargs)
-        got = _live_entries(plan, plan.device_buffer("cuda"))
-        assert got == _live_entries(plan, plan.device_buffer("cpu"))
+        got = live_entries(plan, plan.device_buffer("cuda"))
+        assert got == live_entries(plan, plan.device_buffer("cpu"))
         assert got[6] == [x for pages in b[0] for x in pages] and got[0][0] == len(b[3])
 
 

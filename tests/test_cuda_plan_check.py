@@ -11,6 +11,8 @@ import pagedwindow as pw
 from pagedwindow import plan as plan_module
 from pagedwindow.cuda import host_pass
 
+from .plan_buffers import live_entries
+
 pytestmark = pytest.mark.cuda
 KW = dict(num_qo_heads=16, num_kv_heads=8, head_dim=256)
 INT32_MAX = 2**31 - 1
@@ -31,21 +33,6 @@ def _csr(rng, batch, page_size, *, max_new=40, max_cached=300, spare=7):
 
 def _tensors(arrays, device, dtypes=(torch.int32,) * 4):
     return tuple(torch.as_tensor(np.asarray(a), dtype=d, device=device) for a, d in zip(arrays, dtypes))
-
-
-def _live(plan):
-    """Every live entry of the plan's device buffer (what the kernels read)."""
-    views = plan._views(plan.device_buffer(torch.device("cuda", torch.cuda.current_device())).cpu())
-    b, t, p = plan.batch_size, plan.num_tiles, plan.total_pages
-    return [
-        views.scalars.tolist(),
-        views.page_indptr[: b + 1].tolist(),
-        views.last_page_len[:b].tolist(),
-        views.qo_indptr[: b + 1].tolist(),
-        views.request_indices[:t].tolist(),
-        views.qo_tile_indices[:t].tolist(),
-        views.page_indices[:p].tolist(),
-    ]
 
 
 def _error(fn) -> str:
@@ -74,7 +61,7 @@ def test_a_plan_from_gpu_csr_equals_the_plan_from_the_same_csr_on_the_host(dtype
         given = _tensors(arrays, "cuda", dtypes)
         plan = pw.PrefillPagedPlan.from_csr(*given, **KW, page_size=page_size)
         assert plan.state.device_pages is not None, "the device pass did not run"
-        assert _live(plan) == _live(host)
+        assert live_entries(plan) == live_entries(host)
         assert not plan.state.device_pages.filled, "the upload read the page ids back to the host"
         given[2].fill_(-5)  # the plan holds its own copy
         assert plan.to_dict() == host.to_dict()
@@ -124,9 +111,9 @@ def test_every_bad_gpu_csr_fails_as_on_the_host_and_changes_nothing(case, dtype)
         max_total_tokens=64, max_total_pages=32, max_batch=4, max_tiles=64, device="cuda"
     )
     plan.update_csr(*_tensors(([0, 2], [0, 1], [7], [2]), "cuda"), **kwargs)
-    before, version, buffer = plan.to_dict(), plan.version, _live(plan)
+    before, version, buffer = plan.to_dict(), plan.version, live_entries(plan)
     assert _error(lambda: plan.update_csr(*cuda, **kwargs)) == expected
-    assert (plan.to_dict(), plan.version, _live(plan)) == (before, version, buffer)
+    assert (plan.to_dict(), plan.version, live_entries(plan)) == (before, version, buffer)
 
 
 def test_more_pages_than_a_preallocated_plan_holds_fail_and_change_nothing():
@@ -135,10 +122,10 @@ def test_more_pages_than_a_preallocated_plan_holds_fail_and_change_nothing():
         max_total_tokens=64, max_total_pages=3, max_batch=4, max_tiles=64, device="cuda"
     )
     plan.update_csr(*_tensors(([0, 2], [0, 1], [7], [2]), "cuda"), **kwargs)
-    before = (plan.to_dict(), _live(plan))
+    before = (plan.to_dict(), live_entries(plan))
     with pytest.raises(pw.PagedWindowError, match="total_pages"):
         plan.update_csr(*_tensors(([0, 1, 2], [0, 2, 4], [1, 2, 3, 4], [16, 16]), "cuda"), **kwargs)
-    assert (plan.to_dict(), _live(plan)) == before
+    assert (plan.to_dict(), live_entries(plan)) == before
 
 
 def test_read_only_prefix_pages_shared_between_requests_are_ruled_on_by_the_host_pass():
@@ -149,7 +136,7 @@ def test_read_only_prefix_pages_shared_between_requests_are_ruled_on_by_the_host
     host = pw.PrefillPagedPlan.from_csr(*_tensors(arrays, "cpu"), **kwargs, device="cuda")
     plan = pw.PrefillPagedPlan.from_csr(*_tensors(arrays, "cuda"), **kwargs)
     assert plan.state.device_pages is None  # built by the host pass
-    assert plan.to_dict() == host.to_dict() and _live(plan) == _live(host)
+    assert plan.to_dict() == host.to_dict() and live_entries(plan) == live_entries(host)
 
 
 def test_the_stamp_table_grows_for_large_ids_and_sparse_ids_go_to_the_host_pass():
@@ -160,7 +147,7 @@ def test_the_stamp_table_grows_for_large_ids_and_sparse_ids_go_to_the_host_pass(
         arrays = ([0, 1, 2], [0, 1, 2], ids, [4, 4])
         host = pw.PrefillPagedPlan.from_csr(*_tensors(arrays, "cpu", (torch.int64,) * 4), **kwargs, device="cuda")
         plan = pw.PrefillPagedPlan.from_csr(*_tensors(arrays, "cuda", (torch.int64,) * 4), **kwargs)
-        assert plan.to_dict() == host.to_dict() and _live(plan) == _live(host)
+        assert plan.to_dict() == host.to_dict() and live_entries(plan) == live_entries(host)
         assert plan.max_page_index == max(ids)
         if max(ids) < check.MAX_TABLE:
             assert plan.state.device_pages is not None and len(check.stamps) > max(ids)

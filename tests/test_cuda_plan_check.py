@@ -81,6 +81,7 @@ def _bad_batches():
     yield "id past int32", good[0], good[1], [5, INT32_MAX + 1, 2], good[3]
     yield "repeat in a request", good[0], good[1], [5, 5, 2], good[3]
     yield "pages past kv_indices", good[0], [0, 2, 4], [5, 9, 2], good[3]
+    yield "no page ids at all", good[0], good[1], [], good[3]
     yield "kv_indptr not from 0", good[0], [1, 2, 3], [5, 9, 2, 4], good[3]
     yield "falling kv_indptr", good[0], [0, 3, 2], [5, 9, 2], good[3]
     yield "last page too full", good[0], good[1], good[2], [17, 1]

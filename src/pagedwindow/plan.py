@@ -734,7 +734,7 @@ def _state_from_device_csr(given, heads: _Heads, tile: int | None, device, bound
             return None
         sizes.append(t.shape[0])
     batch = sizes[3]
-    if batch < 1 or sizes[0] != batch + 1 or sizes[1] != batch + 1:
+    if batch < 1 or sizes[0] != batch + 1 or sizes[1] != batch + 1 or sizes[2] == 0:  # the host pass names why
         return None
     where = _cuda_device(on)
     if device is not None and device is not on and _cuda_device(device) != where:  # a plan for another device

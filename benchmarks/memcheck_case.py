@@ -47,12 +47,14 @@ def attention_cases() -> float:
         ref = pw.batch_prefill_paged_window(*inputs, sm_scale=0.0625, window_left=window_left, backend="reference")
         torch.cuda.synchronize()
         worst = max(worst, (out.float() - ref.float()).abs().max().item())
-    # A preallocated plan re-planned in place between launches (the serving path: async upload, fixed tile).
+    # A preallocated plan re-planned in place between launches (the serving path: async upload, fixed tile), from
+    # CSR tensors on the host and on the GPU in turn (the page ids then checked by pw_plan_check_pages).
     gen = torch.Generator().manual_seed(1)
     plan = pw.PrefillPagedPlan.preallocated(
         max_total_tokens=128, max_total_pages=64, max_batch=4, max_tiles=64, device="cuda"
     )
-    for seqs, starts in (([70, 0, 9], [30, 4, 0]), ([1, 1, 1, 1], [50, 3, 0, 99]), ([0, 0], [5, 9])):
+    updates = (([70, 0, 9], [30, 4, 0], "cpu"), ([1, 1, 1, 1], [50, 3, 0, 99], "cuda"), ([0, 0], [5, 9], "cuda"))
+    for seqs, starts, csr_device in updates:
         case = random_batch(
             gen,
             seq_lens=seqs,
@@ -66,10 +68,10 @@ def attention_cases() -> float:
         )
         p = case.plan
         plan.update_csr(
-            p.qo_indptr,
-            p.page_indptr,
-            p.page_indices,
-            p.last_page_len,
+            p.qo_indptr.to(csr_device),
+            p.page_indptr.to(csr_device),
+            p.page_indices.to(csr_device, torch.int64),
+            p.last_page_len.to(csr_device),
             num_qo_heads=16,
             num_kv_heads=8,
             head_dim=256,

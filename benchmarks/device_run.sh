@@ -13,6 +13,9 @@
 # bash benchmarks/device_run.sh tests/test_bench_prep.py (the suite step then runs that file's GPU test only).
 # DECODE_SWEEP=1 adds a last step: `bench --decode-sweep --quick` (DECODE_SWEEP_ARGS its flags, e.g. "--systems
 # pagedwindow flashinfer_fa2"), its <gpu>-<date>-decode-sweep.json/.md in $OUT.
+# PLAN_FORMS=1 adds a step after the host cost: planning by CSR form against FlashInfer fa2's plan, interleaved,
+# at every batch shape of the sweep (`benchmarks/plan_profile.py --forms --shapes sweep`; PLAN_FORMS_ARGS adds
+# flags), its rows in $OUT/<gpu>-<date>-plan-forms.json.
 # Results: $OUT/log.txt, the main bench's JSON/MD, <gpu>-<date>-host-cost.json (named like the bench's files, after
 # the GPU present), and every bench file in $OUT/bench.tar.gz.
 set -uo pipefail
@@ -105,6 +108,13 @@ if [ "${SKIP_HOST_COST:-0}" != 1 ]; then
   python3 benchmarks/host_cost.py --json "$OUT/$STEM-host-cost.json" ${HOST_COST_ARGS:-} 2>&1 | tee -a "$LOG" | tail -8
   host="rc=${PIPESTATUS[0]}"
 fi
+forms="skipped"
+if [ "${PLAN_FORMS:-0}" = 1 ]; then
+  step "plan by CSR form: python3 benchmarks/plan_profile.py --forms --shapes sweep"
+  python3 benchmarks/plan_profile.py --forms --shapes sweep --reps 100 --json "$OUT/$STEM-plan-forms.json" \
+    ${PLAN_FORMS_ARGS:-} 2>&1 | tee -a "$LOG" | tail -6
+  forms="rc=${PIPESTATUS[0]}"
+fi
 t5=$(date +%s)
 sweep="skipped"
 if [ "${DECODE_SWEEP:-0}" = 1 ]; then
@@ -125,5 +135,5 @@ echo "| GPU suite (-m cuda, REQUIRE_GPU=1) | $suite | $((t2 - t1)) |"
 echo "| memcheck + error table | $memcheck | $((t3 - t2)) |"
 echo "| bench | $bench | $((t4 - t3)) |"
 [ "${PREP_BENCH:-0}" = 1 ] && echo "| prep bench | $prep | $((t4p - t4)) |"
-echo "| host cost | $host | $((t5 - t4p)) |"
+echo "| host cost, plan forms | $host; $forms | $((t5 - t4p)) |"
 [ "${DECODE_SWEEP:-0}" = 1 ] && echo "| decode sweep | $sweep | $((t6 - t5)) |"

@@ -410,9 +410,9 @@ def plan_times(system: str, w: Workload, inp: Inputs, reps: int) -> dict:
         return dict(NO_PLAN)
     device = inp.q.device
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    on_device = Csr(*(t.to(device) for t in inp.csr))  # both systems' plan_ms: the CSR as device tensors
     if system == "pagedwindow":
         kwargs = plan_kwargs(w, inp.cta_tile_q)
-        on_device = Csr(*(t.to(device) for t in inp.csr))
         plan = pw.PrefillPagedPlan.from_csr(*on_device, **kwargs, device=device)
         host_plan = pw.PrefillPagedPlan.from_csr(*inp.csr, **kwargs, device=device)
         return {
@@ -427,7 +427,6 @@ def plan_times(system: str, w: Workload, inp: Inputs, reps: int) -> dict:
             "*_host_csr: of the CPU int32 CSR",
         }
     wrapper = _flashinfer_wrapper(system.removeprefix("flashinfer_"), device)
-    on_device = Csr(*(t.to(device) for t in inp.csr))
     host_indptr = inp.csr._replace(kv_indices=on_device.kv_indices)
     return {
         "plan_ms": host_ms(lambda: _flashinfer_plan(wrapper, on_device, w), reps, sync),
@@ -645,6 +644,13 @@ def _num(value, spec: str, suffix: str = "") -> str:
     return "—" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _listed(records: list[dict], field: str, title: str, text) -> list[str]:
+    """A paragraph ``title`` + ``text(record)`` for each record whose ``field`` is set (only pagedwindow's records
+    carry ``cta_tile_q`` and ``plan_ms_host_csr``, only FlashInfer's ``plan_ms_host_indptr``); nothing if none is."""
+    items = [text(r) for r in records if r.get(field) is not None]
+    return ["", title + ", ".join(items)] if items else []
+
+
 def markdown_table(result: dict) -> str:
     """Workloads × systems: the three times, useful TF/s, % of the bf16 GEMM rate, each time over FlashInfer's best
     (the faster of fa2 / fa3 on that workload: < 1 is faster than FlashInfer), the output error."""
@@ -681,31 +687,21 @@ def markdown_table(result: dict) -> str:
         "`wrapper.plan`, both given CUDA-tensor arrays); update: pagedwindow's in-place `update_csr` (FlashInfer "
         "re-plans with `wrapper.plan`: its plan ms).",
     ]
-    host_indptr = [
-        f"{r['workload']} {r['system'].removeprefix('flashinfer_')} {r['plan_ms_host_indptr']:.4f}"
-        for r in timed
-        if r.get("plan_ms_host_indptr") is not None
-    ]
-    if host_indptr:
-        lines += [
-            "",
-            "FlashInfer plan ms with the indptrs and last_page_len on the host (vLLM's form): "
-            + ", ".join(host_indptr),
-        ]
-    host_csr = [
-        f"{r['workload']} {r['plan_ms_host_csr']:.4f} / {_num(r.get('update_plan_ms_host_csr'), '.4f')}"
-        for r in timed
-        if r["system"] == "pagedwindow" and r.get("plan_ms_host_csr") is not None
-    ]
-    if host_csr:
-        lines += ["", "pagedwindow plan / update ms from the CSR on the host (CPU tensors): " + ", ".join(host_csr)]
-    tiles = [
-        f"{r['workload']} {r['cta_tile_q']}"
-        for r in timed
-        if r["system"] == "pagedwindow" and r.get("cta_tile_q") is not None
-    ]
-    if tiles:
-        lines += ["", "pagedwindow's plan tile (cta_tile_q): " + ", ".join(tiles)]
+    lines += _listed(
+        timed,
+        "plan_ms_host_indptr",
+        "FlashInfer plan ms with the indptrs and last_page_len on the host (vLLM's form): ",
+        lambda r: f"{r['workload']} {r['system'].removeprefix('flashinfer_')} {r['plan_ms_host_indptr']:.4f}",
+    )
+    lines += _listed(
+        timed,
+        "plan_ms_host_csr",
+        "pagedwindow plan / update ms from the CSR on the host (CPU tensors): ",
+        lambda r: f"{r['workload']} {r['plan_ms_host_csr']:.4f} / {_num(r.get('update_plan_ms_host_csr'), '.4f')}",
+    )
+    lines += _listed(
+        timed, "cta_tile_q", "pagedwindow's plan tile (cta_tile_q): ", lambda r: f"{r['workload']} {r['cta_tile_q']}"
+    )
     sweep = result.get("sweep") or []
     if sweep:
         timed_points = [r for r in sweep if r["speedup"] is not None]

@@ -174,19 +174,20 @@ def test_the_header_pass_for_page_ids_checked_on_the_device_packs_the_same_plan(
     last = np.array([k - (c - 1) * page_size for k, c in zip(kv_lens, counts)])
     heads = plan_module._Heads.checked(16, 8, 256, page_size)
     joined = np.concatenate([qo, kv, last]).astype(np.int64)  # as the device pass reports them
-    n = len(qo)
-    qo, kv, last = joined[:n], joined[n : 2 * n], joined[2 * n :]
-    checked = native.DeviceChecked(
-        qo, kv, last, joined.ctypes.data, len(ids), torch.from_numpy(ids.astype(np.int32)), int(ids.max())
-    )
+    checked = native.DeviceChecked(joined, len(ids), torch.from_numpy(ids.astype(np.int32)), int(ids.max()))
+    assert [checked.qo_indptr.tolist(), checked.kv_indptr.tolist(), checked.last_page_len.tolist()] == [
+        qo.tolist(),
+        kv.tolist(),
+        last.tolist(),
+    ]
     for tile in (None, 16, 64):
         expected = plan_module._state_from_csr(qo, kv, ids, last, heads, tile, None)
-        state, reason = plan_module._compiled_pass(lib, (qo, kv, None, last), (), heads, tile, None, checked)
+        state, reason = plan_module._compiled_pass(lib, None, (), heads, tile, None, checked)
         assert state.device_pages is not None and not state.device_pages.filled
         assert_same_state(expected, (state, reason))
         assert state.device_pages.filled
-    last[0] = page_size + 1  # a last page past page_size: refused
-    assert plan_module._compiled_pass(lib, (qo, kv, None, last), (), heads, 16, None, checked) is None
+    checked.last_page_len[0] = page_size + 1  # a last page past page_size: refused
+    assert plan_module._compiled_pass(lib, None, (), heads, 16, None, checked) is None
 
 
 def test_a_block_too_small_is_refused_not_overrun(lib):

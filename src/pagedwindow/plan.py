@@ -633,8 +633,10 @@ def _compiled_pass(
     """The batch validated and packed by ``pw_plan_pack`` (one pass in compiled code), or None when the numpy
     pass must run: an argument it does not take (a dtype other than int32/int64, strided, a size the numpy pass
     refuses anyway) or any status but OK (the numpy pass then names the error, or rules on shared pages).
-    ``checked``: the page ids' pass already ran on the device (a ``host_pass.DeviceChecked``; ``arrays``'
-    kv_indices is then None): only the rest is checked here, and the state keeps the ids on the device."""
+    ``checked``: the page ids' pass already ran on the device (a ``host_pass.DeviceChecked``, which then holds the
+    small arrays: ``arrays`` is None): only the rest is checked here, and the state keeps the ids on the device."""
+    if checked is not None:
+        arrays = (checked.qo_indptr, checked.kv_indptr, None, checked.last_page_len)
     qo_indptr, kv_indptr, kv_indices, last_page_len = arrays
     host_arrays = (qo_indptr, kv_indptr, last_page_len) if checked is not None else arrays
     flags = [_NATIVE_DTYPES.get(a.dtype) for a in host_arrays]
@@ -670,7 +672,8 @@ def _compiled_pass(
     if checked is None:
         addresses = [_address(a, g) for a, g in zip(arrays, given)]
     else:  # one int64 array: qo_indptr [batch + 1], kv_indptr [batch + 1], last_page_len [batch]
-        addresses = [checked.address, checked.address + 8 * (batch + 1), None, checked.address + 16 * (batch + 1)]
+        base = _writable_address(checked.arrays)
+        addresses = [base, base + 8 * (batch + 1), None, base + 16 * (batch + 1)]
     status = lib.pw_plan_pack(
         addresses[0],
         flags[0],
@@ -745,8 +748,7 @@ def _state_from_device_csr(given, heads: _Heads, tile: int | None, device, bound
     checked = check.run(given, sizes, bound)
     if checked is None:
         return None
-    arrays = (checked.qo_indptr, checked.kv_indptr, None, checked.last_page_len)
-    return _compiled_pass(check.lib, arrays, (), heads, tile, device if device is not None else on, checked)
+    return _compiled_pass(check.lib, None, (), heads, tile, device if device is not None else on, checked)
 
 
 _CsrArrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]

@@ -102,13 +102,26 @@ class _Findings(ctypes.Structure):
 class DeviceChecked(NamedTuple):
     """What the device pass hands the plan: host copies of the small arrays, and the page ids on the device."""
 
-    qo_indptr: np.ndarray  # [batch + 1] int64
-    kv_indptr: np.ndarray  # [batch + 1] int64
-    last_page_len: np.ndarray  # [batch] int64
-    address: int  # of qo_indptr, which kv_indptr and last_page_len follow in one array
+    arrays: np.ndarray  # [3 * batch + 2] int64: qo_indptr [batch + 1], kv_indptr [batch + 1], last_page_len [batch]
     num_indices: int  # len(kv_indices)
     page_ids: torch.Tensor  # [total_pages] int32 on the device: the ids, checked and copied
     max_page_index: int
+
+    @property
+    def batch(self) -> int:
+        return (len(self.arrays) - 2) // 3
+
+    @property
+    def qo_indptr(self) -> np.ndarray:  # [batch + 1] a view of arrays
+        return self.arrays[: self.batch + 1]
+
+    @property
+    def kv_indptr(self) -> np.ndarray:  # [batch + 1]
+        return self.arrays[self.batch + 1 : 2 * self.batch + 2]
+
+    @property
+    def last_page_len(self) -> np.ndarray:  # [batch]
+        return self.arrays[2 * self.batch + 2 :]
 
 
 class DevicePageCheck:
@@ -171,7 +184,7 @@ class DevicePageCheck:
                 self._next_generation()
                 block.stamps, block.table_size = self.stamps.data_ptr(), len(self.stamps)
                 block.generation = self.generation
-                status = self._launch(block)
+                status = _ops()._launch_on(self.device, self.lib.pw_plan_check_pages, block)  # then waits
                 if status == PAGE_CHECK_CAPTURING:
                     raise PagedWindowError(
                         "a plan cannot be built or updated while the current stream captures a CUDA graph (its "
@@ -191,16 +204,7 @@ class DevicePageCheck:
         page_ids = ids if count == num_indices else ids[:count]
         if num_indices > 2 * count + 65536:  # do not hold a capacity-sized copy for a small batch
             page_ids = page_ids.clone()
-        n = batch + 1
-        address = ctypes.addressof(ctypes.c_char.from_buffer(arrays.data))
-        return DeviceChecked(arrays[:n], arrays[n : 2 * n], arrays[2 * n :], address, length, page_ids, high)
-
-    def _launch(self, block: PageCheckLaunch) -> int:
-        """``pw_plan_check_pages`` on this device's current stream, the device made current for the call."""
-        if _current_device() == self.index:
-            return self.lib.pw_plan_check_pages(ctypes.byref(block), _current_raw_stream(self.index))
-        with torch.cuda.device(self.index):
-            return self.lib.pw_plan_check_pages(ctypes.byref(block), _current_raw_stream(self.index))
+        return DeviceChecked(arrays, length, page_ids, high)
 
     def _next_generation(self) -> None:
         """A new generation for the next pass; at the wrap, every stamp is cleared first."""
@@ -219,10 +223,6 @@ class DevicePageCheck:
         return True
 
 
-_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
-_current_raw_stream = getattr(
-    torch._C, "_cuda_getCurrentRawStream", lambda index: torch.cuda.current_stream(index).cuda_stream
-)
 _checks: dict[int, DevicePageCheck] = {}
 _checks_lock = threading.Lock()
 

@@ -18,6 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
+import host_cost  # benchmarks/host_cost.py, beside this script
 import numpy as np
 import torch
 
@@ -180,18 +181,8 @@ def _form_row(text: str, device: torch.device, reps: int, gen: torch.Generator, 
         host_indptr = host._replace(kv_indices=cuda.kv_indices)
         timed["fa2 plan cuda"] = lambda: bench._flashinfer_plan(wrapper, cuda, w)
         timed["fa2 plan host indptr"] = lambda: bench._flashinfer_plan(wrapper, host_indptr, w)
-    times: dict[str, list[float]] = {name: [] for name in timed}
-    for fn in timed.values():
-        for _ in range(5):
-            fn()
-    for _ in range(reps):
-        for name, fn in timed.items():
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t0) * 1e3)
     row: dict = {"shape": w.name, "page ids": batch * (-(-(cached + new) // page))}
-    row.update({name: statistics.median(t) for name, t in times.items()})
+    row.update(host_cost.host_ms(timed, reps))  # interleaved round by round, the device idle before each call
     return row
 
 

@@ -85,20 +85,28 @@ def profile(name: str, device: torch.device) -> dict:
     }
 
 
-def cprofile(name: str, device: torch.device, calls: int, top: int = 25, csr_device: str = "cpu") -> None:
-    """cProfile over ``calls`` back-to-back ``from_csr`` calls for workload ``name`` on ``device``, each plan kept
-    until the next one is built (a serving loop's ``plan = from_csr(...)``); prints the ``top`` functions by own
-    time and by cumulative time, in µs per call of ``from_csr``. ``csr_device``: where the CSR tensors are."""
+def cprofile(
+    name: str, device: torch.device, calls: int, top: int = 25, csr_device: str = "cpu", method: str = "from_csr"
+) -> None:
+    """cProfile over ``calls`` back-to-back ``method`` calls (``from_csr``: each plan kept until the next one is
+    built, a serving loop's ``plan = from_csr(...)``; ``update_csr``: one plan re-planned in place) for workload
+    ``name`` on ``device``; prints the ``top`` functions by own time and by cumulative time, in µs per call.
+    ``csr_device``: where the CSR tensors are."""
     w = bench.WORKLOADS[name]
     inp = bench.make_inputs(w, torch.Generator().manual_seed(0), device)
     kwargs = {k: v for k, v in bench.plan_kwargs(w).items() if v is not None}
     given = tuple(t.to(csr_device) for t in inp.csr)
+    kept = pw.PrefillPagedPlan.from_csr(*given, **kwargs, device=device)
 
     def loop(n: int) -> float:
         plan = None
         t0 = time.perf_counter()
-        for _ in range(n):
-            plan = pw.PrefillPagedPlan.from_csr(*given, **kwargs, device=device)
+        if method == "from_csr":
+            for _ in range(n):
+                plan = pw.PrefillPagedPlan.from_csr(*given, **kwargs, device=device)
+        else:
+            for _ in range(n):
+                kept.update_csr(*given, **kwargs)
         elapsed = time.perf_counter() - t0
         del plan
         torch.cuda.synchronize()
@@ -111,7 +119,7 @@ def cprofile(name: str, device: torch.device, calls: int, top: int = 25, csr_dev
     profiled = loop(calls)
     profiler.disable()
     print(
-        f"\n{name}: from_csr({csr_device} CSR, device={str(device)!r}) {plain:.1f} µs per call back to back, "
+        f"\n{name}: {method}({csr_device} CSR, device={str(device)!r}) {plain:.1f} µs per call back to back, "
         f"{profiled:.1f} µs "
         f"under cProfile ({calls} calls)"
     )
@@ -120,7 +128,7 @@ def cprofile(name: str, device: torch.device, calls: int, top: int = 25, csr_dev
         where = func if path == "~" else f"{'/'.join(path.split('/')[-2:])}:{line}({func})"
         rows.append((own * 1e6 / calls, cumulative * 1e6 / calls, ncalls / calls, where))
     for title, key in (("own time", 0), ("cumulative time", 1)):
-        print(f"\ntop {top} by {title} (µs per from_csr call)\n{'own':>8} {'cumul':>8} {'calls':>6}  function")
+        print(f"\ntop {top} by {title} (µs per {method} call)\n{'own':>8} {'cumul':>8} {'calls':>6}  function")
         for own, cumulative, per_call, where in sorted(rows, key=lambda r: -r[key])[:top]:
             print(f"{own:8.2f} {cumulative:8.2f} {per_call:6.2f}  {where}")
 
@@ -225,6 +233,7 @@ def main() -> None:
     parser.add_argument("--workload", default="decode_64x4096", choices=WORKLOADS, help="--cprofile's workload")
     parser.add_argument("--calls", type=int, default=2000, help="--cprofile's from_csr calls")
     parser.add_argument("--csr-device", default="cpu", help="--cprofile's CSR tensors: cpu or cuda")
+    parser.add_argument("--method", default="from_csr", choices=("from_csr", "update_csr"), help="--cprofile's call")
     parser.add_argument("--forms", action="store_true", help="time planning by CSR form against FlashInfer")
     parser.add_argument("--shapes", default=FORM_SHAPES, help='--forms\' shapes: "B,N,C,P;..." or "sweep"')
     parser.add_argument("--reps", type=int, default=100, help="--forms' rounds")
@@ -236,7 +245,7 @@ def main() -> None:
         forms(args.shapes, device, args.reps, args.json)
         return
     if args.cprofile:
-        cprofile(args.workload, device, args.calls, csr_device=args.csr_device)
+        cprofile(args.workload, device, args.calls, csr_device=args.csr_device, method=args.method)
         return
     rows = []
     for name in WORKLOADS:

@@ -1,0 +1,80 @@
+"""Where a new plan's extra host time goes (``from_csr`` against ``update_csr`` of the same CUDA CSR tensors),
+piece by piece, timed as ``plan_profile.py --forms`` times (the device idle before each call, the pieces
+interleaved round by round), then cProfile of ``from_csr`` under the same conditions.
+
+Usage on a GPU machine: ``python3 benchmarks/plan_gap_probe.py [B,N,C,P] [--reps N]``."""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+
+import host_cost  # benchmarks/host_cost.py, beside this script
+import plan_profile
+import torch
+
+import pagedwindow as pw
+from pagedwindow import bench
+from pagedwindow import plan as plan_module
+from pagedwindow.cuda import ops
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("shape", nargs="?", default="1,1024,0,16")
+    parser.add_argument("--reps", type=int, default=200)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    ops.library(device)
+    batch, new, cached, page = map(int, args.shape.split(","))
+    w = bench.Workload("probe", (new,) * batch, (cached,) * batch, page_size=page)
+    cuda = bench.Csr(*(t.to(device) for t in plan_profile._shape_csr(batch, new, cached, page, torch.Generator())))
+    kwargs = {k: v for k, v in bench.plan_kwargs(w).items() if v is not None}
+    heads = plan_module._Heads.checked(
+        kwargs["num_qo_heads"], kwargs["num_kv_heads"], kwargs["head_dim"], kwargs["page_size"]
+    )
+    plan = pw.PrefillPagedPlan.from_csr(*cuda, **kwargs, device=device)
+    state, reason = plan_module._state_from_device_csr(tuple(cuda), heads, None, device, None)
+    cap = plan.capacity
+    held = [None]  # a serving loop's `plan = from_csr(...)`: the previous plan is freed by the assignment
+
+    def replace():
+        held[0] = pw.PrefillPagedPlan.from_csr(*cuda, **kwargs, device=device)
+
+    timed = {
+        "from_csr": lambda: pw.PrefillPagedPlan.from_csr(*cuda, **kwargs, device=device),
+        "from_csr, replacing": replace,
+        "update_csr": lambda: plan.update_csr(*cuda, **kwargs),
+        "state (device pass + pack)": lambda: plan_module._state_from_device_csr(
+            tuple(cuda), heads, None, device, None
+        ),
+        "_exact(state)": lambda: pw.PrefillPagedPlan._exact(state, reason, device),
+        "construct (mirror)": lambda: pw.PrefillPagedPlan(cap, cta_tile_q=state.cta_tile_q, device=device),
+        "construct (cpu)": lambda: pw.PrefillPagedPlan(cap, cta_tile_q=state.cta_tile_q, device=None),
+        "_commit(state)": lambda: plan._commit(state),
+        "capacity": lambda: plan_module._exact_capacity(
+            state.total_tokens, state.total_pages, state.batch_size, state.num_tiles
+        ),
+    }
+    for name, ms in host_cost.host_ms(timed, args.reps).items():
+        print(f"{name:28} {1e3 * ms:8.1f} µs")
+    profiler = cProfile.Profile()
+    calls = 1000
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        profiler.enable()
+        pw.PrefillPagedPlan.from_csr(*cuda, **kwargs, device=device)
+        profiler.disable()
+    rows = []
+    for (path, line, func), (_, ncalls, own, cumulative, _) in pstats.Stats(profiler).stats.items():
+        where = func if path == "~" else f"{'/'.join(path.split('/')[-2:])}:{line}({func})"
+        rows.append((own * 1e6 / calls, cumulative * 1e6 / calls, ncalls / calls, where))
+    for title, key in (("own", 0), ("cumulative", 1)):
+        print(f"\ntop 22 by {title} time, µs per from_csr (device idle before each)")
+        for own, cumul, per, where in sorted(rows, key=lambda r: -r[key])[:22]:
+            print(f"{own:8.2f} {cumul:8.2f} {per:6.2f}  {where}")
+
+
+if __name__ == "__main__":
+    main()

@@ -101,13 +101,17 @@ def tile_for_batch(
     the largest kv_len of the batch and is called only when the rule needs it. Returns (tile, reason)."""
     capability, sm_count = device_traits(device)
     arch = f"sm_{capability[0]}{capability[1]}"
-    busiest = int(seq_lens.max()) * group  # packed rows of the largest request
+    listed: list[int] | None = [s * group for s in seq_lens.tolist()] if len(seq_lens) <= _SMALL_BATCH else None
+    busiest = max(listed) if listed is not None else int(seq_lens.max()) * group  # packed rows, largest request
     if busiest <= SPLIT_ROWS:
         return 16, f"policy {arch}: at most {busiest} packed rows per request (decode)"
-    busy = seq_lens[seq_lens > 0] * group  # [requests with new rows] packed rows
+    rows = None if listed is not None else seq_lens.astype(np.int64) * group  # [batch] packed rows per request
 
-    def grid(tile: int) -> int:  # CTAs (tiles x KV heads) at this tile
-        return int((-(-busy // tile)).sum()) * num_kv_heads
+    def grid(tile: int) -> int:  # CTAs (tiles x KV heads) at this tile; a request with no new rows has none
+        if rows is None:
+            assert listed is not None
+            return sum(-(-r // tile) for r in listed) * num_kv_heads
+        return int((-(-rows // tile)).sum()) * num_kv_heads
 
     prefix = ""
     if busiest <= SHORT_ROWS:
@@ -115,7 +119,8 @@ def tile_for_batch(
         if busiest <= 16 or busiest * keys <= SHORT_WORK:
             why = "per request (decode)" if busiest <= 16 else f"x {keys} keys per request (short)"
             splits = min(SPLIT_KV_MAX_SPLITS, SPLIT_KV_UNITS_PER_SM * sm_count // grid(SPLIT_KV_TILE))
-            if splits < 2 or keys < SPLIT_MIN_KEYS or len(busy) * num_kv_heads < MIN_PREFILL_GRID:
+            busy_requests = int(np.count_nonzero(seq_lens))  # requests with new rows
+            if splits < 2 or keys < SPLIT_MIN_KEYS or busy_requests * num_kv_heads < MIN_PREFILL_GRID:
                 return 16, f"policy {arch}: at most {busiest} packed rows {why}"
             prefix = f"{min(busiest, 16)}-row tiles at 16 would split {splits} ways; "
     if capability != (9, 0):
@@ -127,6 +132,10 @@ def tile_for_batch(
         f"policy sm_90: {prefix}tile {tile}, waves x rows {waves[128]} x 128 = {cost128:.0f} at 128, "
         f"{waves[64]} x 64 x {TILE64_ROW_COST} = {cost64:.0f} at 64"
     )
+
+
+_SMALL_BATCH = 32
+"""Batches up to this size are walked as Python ints (cheaper than numpy's per-call cost there)."""
 
 
 def tile_for_capacity(max_total_tokens: int, max_batch: int, device=None) -> tuple[int, str]:

@@ -833,6 +833,42 @@ def test_batch_names_a_bad_page_id_per_request():
     assert str(err.value) == "from_dict: page id page_indices[1][0] = -1 is below its minimum 0"
 
 
+@pytest.mark.parametrize("requests", REQUEST_SETS)
+def test_batch_of_plain_int_lists_equals_the_per_request_form(requests):
+    """Lists of plain ints are read in one conversion; tuples and arrays request by request: the same plan."""
+    *lists, page_size = requests
+    heads = dict(num_qo_heads=8, num_kv_heads=2, head_dim=16, page_size=page_size, device="cpu")
+    as_lists = pw.PrefillPagedPlan.batch(*lists, **heads)
+    as_tuples = pw.PrefillPagedPlan.batch([tuple(p) for p in lists[0]], *lists[1:], **heads)
+    as_arrays = pw.PrefillPagedPlan.batch([np.array(p, dtype=np.int64) for p in lists[0]], *lists[1:], **heads)
+    assert as_lists.to_dict() == as_tuples.to_dict() == as_arrays.to_dict()
+    assert torch.equal(as_lists.device_buffer("cpu"), as_tuples.device_buffer("cpu"))
+
+
+@pytest.mark.parametrize(
+    "pages, message",
+    [
+        ([[3, True], [0]], "page_indices[0][1] must be an integer, got True (bool)"),
+        ([[3, 1], [0.0]], "page_indices[1][0] must be an integer, got 0.0 (float)"),
+        ([[3, 2**64], [0]], "page_indices[0] holds integers past int64"),
+        ([[3, 1], ["0"]], "page_indices[1][0] must be an integer, got '0' (str)"),
+        ([[3, 1], []], "page_indices[1] is empty; every request needs at least one page"),
+        ([[3, 1], [-1]], "page id page_indices[1][0] = -1 is below its minimum 0"),
+    ],
+)
+def test_batch_of_lists_names_the_bad_entry(pages, message):
+    for form in (pages, [tuple(p) for p in pages]):  # the one-conversion path and the per-request path
+        with pytest.raises(pw.PagedWindowError) as err:
+            pw.PrefillPagedPlan.batch(form, [2, 3], [2, 0], [4, 3], **HEADS)
+        assert message in str(err.value)
+
+
+def test_batch_accepts_numpy_ints_inside_lists():
+    plain = pw.PrefillPagedPlan.batch([[3, 1], [0]], [2, 3], [2, 0], [4, 3], **HEADS)
+    mixed = pw.PrefillPagedPlan.batch([[np.int32(3), 1], [np.int64(0)]], [2, 3], [2, 0], [4, 3], **HEADS)
+    assert plain.to_dict() == mixed.to_dict()
+
+
 def test_from_dict_prefixes_once():
     with pytest.raises(pw.PagedWindowError) as err:
         pw.PrefillPagedPlan.from_dict(changed(["capacity", "max_total_pages"], -1))

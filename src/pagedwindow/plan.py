@@ -47,6 +47,8 @@ from __future__ import annotations
 import atexit
 import ctypes
 import functools
+import itertools
+import operator
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
@@ -776,11 +778,7 @@ def _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, 
             raise PagedWindowError(f"{name} has {n} entries but seq_lens has {batch} (one per request)")
     start = checked_i32_array("start_positions", starts, minimum=0)
     last = checked_i32_array("last_page_lens", lasts).astype(np.int64)
-    per_request = [
-        int_array(f"page_indices[{i}]", p).astype(np.int64, copy=False)  # a loop over requests
-        for i, p in enumerate(page_indices)
-    ]
-    counts = np.fromiter((len(p) for p in per_request), dtype=np.int64, count=batch)  # [batch]
+    counts, kv_indices = _request_page_ids(page_indices, batch)
     kv_len = start.astype(np.int64) + seq  # [batch]
     if kv_len.max() > INT32_MAX:
         i = _first(kv_len > INT32_MAX)
@@ -808,10 +806,30 @@ def _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, 
             f"last_page_lens[{i}] = {int(last[i])} disagrees with kv_len {int(kv_len[i])}: the "
             f"last page holds {int(want_last[i])} (bound 1..{page_size})"
         )
-    kv_indices = np.concatenate(per_request) if batch > 1 else per_request[0]  # [total_pages]
     kv_indptr = np.concatenate(([0], np.cumsum(counts)))  # [batch + 1]
     qo_indptr = np.concatenate(([0], np.cumsum(seq)))  # [batch + 1]
     return qo_indptr, kv_indptr, kv_indices, last
+
+
+def _request_page_ids(page_indices, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(counts [batch], kv_indices [total_pages])`` int64 from per-request page lists. Lists of plain ints (the
+    common case) are read in one conversion; anything else, or any entry that is not a plain int, goes request by
+    request through ``int_array``, whose error names the request and the entry."""
+    if all(type(p) is list for p in page_indices):
+        flat = list(itertools.chain.from_iterable(page_indices))
+        if operator.countOf(map(type, flat), int) == len(flat):  # plain ints only (no bools, floats, ...)
+            try:
+                ids = np.array(flat, dtype=np.int64)  # [total_pages]
+            except OverflowError:
+                pass  # past int64: the loop below names where
+            else:
+                return np.fromiter(map(len, page_indices), dtype=np.int64, count=batch), ids
+    per_request = [
+        int_array(f"page_indices[{i}]", p).astype(np.int64, copy=False)  # a loop over requests
+        for i, p in enumerate(page_indices)
+    ]
+    counts = np.fromiter((len(p) for p in per_request), dtype=np.int64, count=batch)  # [batch]
+    return counts, (np.concatenate(per_request) if batch > 1 else per_request[0])
 
 
 # -- device mirrors ---------------------------------------------------------------------------------------------

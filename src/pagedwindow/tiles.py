@@ -65,6 +65,10 @@ CPU_DEFAULT_CAPABILITY = (9, 0)
 CPU_DEFAULT_SM_COUNT = 132
 """The device the policy assumes when a plan is built with no GPU in sight: the H200 (sm_90a, 132 SMs)."""
 
+_SMALL_BATCH = 32
+"""Batches up to this size are walked by the policy as Python ints (cheaper than numpy's per-call cost there)."""
+
+
 _devices: dict[int, tuple[tuple[int, int], int]] = {}
 
 
@@ -132,10 +136,6 @@ def tile_for_batch(
         f"policy sm_90: {prefix}tile {tile}, waves x rows {waves[128]} x 128 = {cost128:.0f} at 128, "
         f"{waves[64]} x 64 x {TILE64_ROW_COST} = {cost64:.0f} at 64"
     )
-
-
-_SMALL_BATCH = 32
-"""Batches up to this size are walked as Python ints (cheaper than numpy's per-call cost there)."""
 
 
 def tile_for_capacity(max_total_tokens: int, max_batch: int, device=None) -> tuple[int, str]:

@@ -1,9 +1,10 @@
 """Where a new plan's host time goes (``from_csr`` on a CUDA device), piece by piece, for the serving workloads.
 
 Usage on a GPU machine: ``python3 benchmarks/plan_profile.py``; prints a table (µs, medians, the device idle
-before each call). ``--cprofile [--workload NAME] [--calls N]`` instead runs cProfile over N back-to-back
-``from_csr(..., device="cuda")`` calls (default: decode_64x4096, 2000 calls) and prints the top functions by own
-time and by cumulative time, in µs per ``from_csr`` call. ``--forms [--shapes "B,N,C,P;..." | sweep]`` times planning
+before each call). ``--cprofile [--workload NAME] [--calls N] [--method from_csr|update_csr]`` instead runs
+cProfile over N back-to-back ``from_csr(..., device="cuda")`` calls, or ``update_csr`` calls on one plan (default:
+decode_64x4096, 2000 calls, ``from_csr``) and prints the top functions by own time and by cumulative time, in µs
+per call. ``--forms [--shapes "B,N,C,P;..." | sweep]`` times planning
 by the form of the CSR arrays: pagedwindow's ``from_csr`` / ``update_csr`` of CUDA and of CPU tensors, and
 FlashInfer fa2's ``plan`` (CUDA arrays; host indptrs) when flashinfer imports, every form interleaved round by
 round; a shape is B requests of N new tokens on C cached keys with page size P, page ids shuffled."""

@@ -176,10 +176,10 @@ static PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
 
 // Tensor maps for bulk copies of K (maps[0]) and V (maps[1]) tiles: the pool seen as the 4-D tensor
 // {head dim 256, kv head, slot, page} (innermost first) from pool + k_offset / v_offset, strides 512 B,
-// num_kv_heads * 512 B, page_stride * 2 B; box {kBlockCols = 64, 1, min(page_size, kKvTile), 1}, 128-byte swizzle. The
-// page extent is the int32 limit: page ids are int32 and checked against the pool before launch. The 16-byte alignment
-// the maps need is pw_prefill_prepare's (-5). Returns false (use cp.async) when the page size is not 8, 16, 32 or a
-// multiple of 64, or when the driver cannot encode the maps.
+// num_kv_heads * 512 B, page_stride * 2 B; box {64, 1, min(page_size, 64), 1}, 128-byte swizzle. The page
+// extent is the int32 limit: page ids are int32 and checked against the pool before launch. The 16-byte
+// alignment the maps need is pw_prefill_prepare's (-5). Returns false (use cp.async) when the page size is not
+// 8, 16, 32 or a multiple of 64, or when the driver cannot encode the maps.
 static bool encode_kv_maps(const void* pool, long long k_offset, long long v_offset, long long page_stride,
                            int page_size, int num_kv_heads, CUtensorMap* maps) {
   if (!(page_size % kKvTile == 0 || (kKvTile % page_size == 0 && page_size >= 8))) return false;
@@ -190,7 +190,7 @@ static bool encode_kv_maps(const void* pool, long long k_offset, long long v_off
                               static_cast<cuuint64_t>(page_size), 0x7fffffffull};
   const cuuint64_t strides[3] = {kPwPrefillHeadDim * elem, num_kv_heads * kPwPrefillHeadDim * elem,
                                  static_cast<cuuint64_t>(page_stride) * elem};
-  const cuuint32_t box[4] = {kBlockCols, 1, static_cast<cuuint32_t>(page_size < kKvTile ? page_size : kKvTile), 1};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(page_size < kKvTile ? page_size : kKvTile), 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};
   const long long offsets[2] = {k_offset, v_offset};
   for (int i = 0; i < 2; ++i) {

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import pstats
 
 import host_cost  # benchmarks/host_cost.py, beside this script
 import plan_profile
@@ -66,14 +65,7 @@ def main() -> None:
         profiler.enable()
         pw.PrefillPagedPlan.from_csr(*cuda, **kwargs, device=device)
         profiler.disable()
-    rows = []
-    for (path, line, func), (_, ncalls, own, cumulative, _) in pstats.Stats(profiler).stats.items():
-        where = func if path == "~" else f"{'/'.join(path.split('/')[-2:])}:{line}({func})"
-        rows.append((own * 1e6 / calls, cumulative * 1e6 / calls, ncalls / calls, where))
-    for title, key in (("own", 0), ("cumulative", 1)):
-        print(f"\ntop 22 by {title} time, µs per from_csr (device idle before each)")
-        for own, cumul, per, where in sorted(rows, key=lambda r: -r[key])[:22]:
-            print(f"{own:8.2f} {cumul:8.2f} {per:6.2f}  {where}")
+    plan_profile.print_profile(profiler, calls, "from_csr (device idle before each)", top=22)
 
 
 if __name__ == "__main__":

@@ -124,12 +124,18 @@ def cprofile(
         f"{profiled:.1f} µs "
         f"under cProfile ({calls} calls)"
     )
-    rows = []  # (own µs, cumulative µs, calls, function) per from_csr call
+    print_profile(profiler, calls, f"{method} call", top)
+
+
+def print_profile(profiler: cProfile.Profile, calls: int, what: str, top: int = 25) -> None:
+    """The ``top`` functions of ``profiler`` by own time and by cumulative time, in µs per one of ``calls``
+    profiled calls (``what`` names the call)."""
+    rows = []  # (own µs, cumulative µs, calls, function) per profiled call
     for (path, line, func), (_, ncalls, own, cumulative, _) in pstats.Stats(profiler).stats.items():
         where = func if path == "~" else f"{'/'.join(path.split('/')[-2:])}:{line}({func})"
         rows.append((own * 1e6 / calls, cumulative * 1e6 / calls, ncalls / calls, where))
     for title, key in (("own time", 0), ("cumulative time", 1)):
-        print(f"\ntop {top} by {title} (µs per {method} call)\n{'own':>8} {'cumul':>8} {'calls':>6}  function")
+        print(f"\ntop {top} by {title} (µs per {what})\n{'own':>8} {'cumul':>8} {'calls':>6}  function")
         for own, cumulative, per_call, where in sorted(rows, key=lambda r: -r[key])[:top]:
             print(f"{own:8.2f} {cumulative:8.2f} {per_call:6.2f}  {where}")
 

@@ -61,19 +61,19 @@ _log = logging.getLogger(__name__)
 
 
 def _resolve_backend(
-    what: str, backend: str, plan: PrefillPagedPlan, first: torch.Tensor, *others: torch.Tensor | None
+    what: str, backend: str, plan: PrefillPagedPlan, device: torch.device, dtype: torch.dtype, addresses
 ) -> str:
-    """The backend that runs this call; ``first`` decides device and dtype (``others`` may hold None: no lse)."""
+    """The backend that runs this call on ``device`` with tensors of ``dtype``; ``addresses``: the call's
+    tensors' addresses (``_memory_spans``'s starts; None under torch.compile, where tensors have none)."""
     if backend == "reference":
         return backend
     if backend not in BACKENDS:
         raise PagedWindowError(f"{what}: backend {backend!r} is not one of {BACKENDS}")
-    device = first.device
     if backend == "auto":
         if device.type != "cuda":
             return "reference"
         cuda = _cuda_backend()
-        reason = cuda.unavailable_reason() or cuda.unsupported(what, plan, first, *others)
+        reason = cuda.unavailable_reason() or cuda.unsupported(what, plan, dtype, addresses)
         if reason is None:
             return "cuda"
         if reason not in _fallbacks_warned:
@@ -88,7 +88,7 @@ def _resolve_backend(
     if device.type != "cuda":
         raise PagedWindowError(f"{what}: backend 'cuda' needs tensors on a CUDA device, got {device}")
     cuda = _cuda_backend()
-    reason = cuda.unsupported(what, plan, first, *others)
+    reason = cuda.unsupported(what, plan, dtype, addresses)
     if reason is not None:
         raise PagedWindowError(f"{what}: backend 'cuda' does not support {reason}")
     cuda.require()  # raises PagedWindowError naming why the kernels cannot be built or loaded
@@ -149,19 +149,16 @@ def _plan_on_pool(what: str, plan, layout, pool, layer):
 
 
 def _check_rows(
-    what: str, name: str, t, *, rows: int, tail: tuple[int, ...], pool: torch.Tensor, dtype: torch.dtype | None = None
+    what: str, name: str, t, *, rows: int, tail: tuple[int, ...], dtype: torch.dtype, device: torch.device
 ) -> None:
-    """``t`` is a contiguous tensor ``[>= rows, *tail]`` on the pool's device with the pool's dtype."""
-    want_dtype = pool.dtype if dtype is None else dtype
+    """``t`` is a contiguous tensor ``[>= rows, *tail]`` of ``dtype`` on ``device`` (the pool's)."""
     if type(t) is torch.Tensor:  # the every-call case, in one expression; any failure gets its message below
         shape = t.shape
         if (
-            len(shape) == 1 + len(tail)
-            and shape[1:] == tail
-            and shape[0] >= rows
-            and t.dtype == want_dtype
+            (shape == (rows, *tail) or (len(shape) == 1 + len(tail) and shape[1:] == tail and shape[0] >= rows))
+            and t.dtype == dtype
             and t.is_contiguous()
-            and t.device == pool.device
+            and t.device == device
         ):
             return
     if not isinstance(t, torch.Tensor):
@@ -171,39 +168,57 @@ def _check_rows(
         raise PagedWindowError(f"{what}: {name} shape {tuple(shape)} must be [rows, {', '.join(map(str, tail))}]")
     if shape[0] < rows:
         raise PagedWindowError(f"{what}: {name} has {shape[0]} rows; the plan needs {rows} (total_tokens)")
-    if t.dtype != want_dtype:
-        raise PagedWindowError(f"{what}: {name} dtype {t.dtype} must be {want_dtype}")
-    if t.device != pool.device:
-        raise PagedWindowError(f"{what}: {name} is on {t.device} but the pool is on {pool.device}")
+    if t.dtype != dtype:
+        raise PagedWindowError(f"{what}: {name} dtype {t.dtype} must be {dtype}")
+    if t.device != device:
+        raise PagedWindowError(f"{what}: {name} is on {t.device} but the pool is on {device}")
     if not t.is_contiguous():
         raise PagedWindowError(f"{what}: {name} must be contiguous (strides {t.stride()})")
 
 
-def _check_writable(what: str, name: str, t: torch.Tensor) -> None:
-    """A tensor this call writes is not tracked by autograd and may be written in the current mode."""
+def _check_writable(what: str, name: str, t: torch.Tensor, compiling: bool) -> None:
+    """A tensor this call writes is not tracked by autograd and may be written in the current mode
+    (``compiling``: ``torch.compiler.is_compiling()``, read once per call)."""
     if t.requires_grad:
         raise PagedWindowError(
             f"{what}: {name} requires grad; the op writes it in place and is not "
             f"differentiable (pass a tensor that does not require grad)"
         )
-    if not torch.compiler.is_compiling() and t.is_inference() and not torch.is_inference_mode_enabled():
+    if not compiling and t.is_inference() and not torch.is_inference_mode_enabled():
         raise PagedWindowError(
             f"{what}: {name} was made under torch.inference_mode() and may only be written inside inference mode"
         )
 
 
-def _check_disjoint(what: str, written: str, w: torch.Tensor, *others: tuple[str, torch.Tensor | None]) -> None:
-    """The tensor written to must not share a byte with any input (it would be read while being written).
-    Every tensor here was checked to be on one device."""
-    if torch.compiler.is_compiling():
-        return  # fake tensors have no addresses; the custom op's mutation annotation covers aliasing under compile
-    w0 = w.data_ptr()
-    w1 = w0 + w.nbytes
-    for name, t in others:
+def _memory_spans(compiling: bool, *named: tuple[str, torch.Tensor | None]) -> list[tuple[str, int, int]] | None:
+    """``(name, first byte, past the last byte)`` of each tensor given (None entries skipped), each address read
+    once per call; None under torch.compile (fake tensors have no addresses)."""
+    if compiling:
+        return None
+    spans = []
+    for name, t in named:
         if t is not None:
-            t0 = t.data_ptr()
-            if w0 < t0 + t.nbytes and t0 < w1:
-                raise PagedWindowError(f"{what}: {written} overlaps {name} in memory")
+            start = t.data_ptr()
+            spans.append((name, start, start + t.nbytes))
+    return spans
+
+
+def _check_disjoint(what: str, spans: list[tuple[str, int, int]] | None, written: int) -> None:
+    """The first ``written`` spans are tensors the call writes: none shares a byte with any other span (it would
+    be read while being written, or written twice). Under torch.compile (``spans`` None) the custom ops' mutation
+    annotations cover aliasing."""
+    if spans is None:
+        return
+    for i in range(written):
+        name, w0, w1 = spans[i]
+        for other, t0, t1 in spans[i + 1 :]:
+            if w0 < t1 and t0 < w1:
+                raise PagedWindowError(f"{what}: {name} overlaps {other} in memory")
+
+
+def _addresses(spans: list[tuple[str, int, int]] | None) -> list[int] | None:
+    """The spans' first bytes: what the backends check for alignment."""
+    return None if spans is None else [start for _, start, _ in spans]
 
 
 def batch_prefill_paged_window(
@@ -233,18 +248,23 @@ def batch_prefill_paged_window(
     state, geometry = _plan_on_pool(what, plan, layout, pool, layer)
     rows = state.total_tokens
     tail = (state.num_qo_heads, state.head_dim)
-    _check_rows(what, "q", q, rows=rows, tail=tail, pool=pool)
+    dtype, device = pool.dtype, pool.device
+    _check_rows(what, "q", q, rows=rows, tail=tail, dtype=dtype, device=device)
+    compiling = torch.compiler.is_compiling()
+    written: list[tuple[str, torch.Tensor]] = []
     if out is None:
         out = torch.empty((rows, *tail), dtype=q.dtype, device=q.device)
     else:
-        _check_rows(what, "out", out, rows=rows, tail=tail, pool=pool)
-        _check_writable(what, "out", out)
-        _check_disjoint(what, "out", out, ("q", q), ("pool", pool), ("lse", lse))
+        _check_rows(what, "out", out, rows=rows, tail=tail, dtype=dtype, device=device)
+        _check_writable(what, "out", out, compiling)
+        written.append(("out", out))
     if lse is not None:
-        _check_rows(what, "lse", lse, rows=rows, tail=(state.num_qo_heads,), pool=pool, dtype=torch.float32)
-        _check_writable(what, "lse", lse)
-        _check_disjoint(what, "lse", lse, ("q", q), ("pool", pool))
-    chosen = _resolve_backend(what, backend, plan, q, pool, out, lse)
+        _check_rows(what, "lse", lse, rows=rows, tail=(state.num_qo_heads,), dtype=torch.float32, device=device)
+        _check_writable(what, "lse", lse, compiling)
+        written.append(("lse", lse))
+    spans = _memory_spans(compiling, *written, ("q", q), ("pool", pool))
+    _check_disjoint(what, spans, len(written))
+    chosen = _resolve_backend(what, backend, plan, device, dtype, _addresses(spans))
     if rows == 0:
         return out[:0]
     for observe in prefill_observers:
@@ -280,11 +300,14 @@ def append_paged_kv(
     state, geometry = _plan_on_pool(what, plan, layout, pool, layer)
     rows = state.total_tokens
     tail = (state.num_kv_heads, state.head_dim)
-    _check_rows(what, "k", k, rows=rows, tail=tail, pool=pool)
-    _check_rows(what, "v", v, rows=rows, tail=tail, pool=pool)
-    _check_writable(what, "pool", pool)
-    _check_disjoint(what, "pool", pool, ("k", k), ("v", v))
-    chosen = _resolve_backend(what, backend, plan, pool, k, v)
+    dtype, device = pool.dtype, pool.device
+    _check_rows(what, "k", k, rows=rows, tail=tail, dtype=dtype, device=device)
+    _check_rows(what, "v", v, rows=rows, tail=tail, dtype=dtype, device=device)
+    compiling = torch.compiler.is_compiling()
+    _check_writable(what, "pool", pool, compiling)
+    spans = _memory_spans(compiling, ("pool", pool), ("k", k), ("v", v))
+    _check_disjoint(what, spans, 1)
+    chosen = _resolve_backend(what, backend, plan, device, dtype, _addresses(spans))
     if rows == 0:
         return
     if chosen == "cuda":
@@ -293,16 +316,27 @@ def append_paged_kv(
         reference.append_paged_kv(k.detach(), v.detach(), pool, geometry, plan)
 
 
-def _check_norm_weight(what: str, name: str, w, *, head_dim: int, pool: torch.Tensor) -> None:
-    """A norm weight: a contiguous ``[head_dim]`` tensor on the pool's device, in the pool's dtype or fp32."""
+def _check_norm_weight(
+    what: str, name: str, w, *, head_dim: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    """A norm weight: a contiguous ``[head_dim]`` tensor on ``device`` (the pool's), in ``dtype`` (the pool's) or
+    fp32."""
+    if (
+        type(w) is torch.Tensor  # the every-call case, in one expression; any failure gets its message below
+        and w.shape == (head_dim,)
+        and (w.dtype == dtype or w.dtype == torch.float32)
+        and w.is_contiguous()
+        and w.device == device
+    ):
+        return
     if not isinstance(w, torch.Tensor):
         raise PagedWindowError(f"{what}: {name} must be a torch.Tensor, got {type(w).__name__}")
     if tuple(w.shape) != (head_dim,):
         raise PagedWindowError(f"{what}: {name} shape {tuple(w.shape)} must be [{head_dim}] (head_dim)")
-    if w.dtype not in (pool.dtype, torch.float32):
-        raise PagedWindowError(f"{what}: {name} dtype {w.dtype} must be the pool's {pool.dtype} or torch.float32")
-    if w.device != pool.device:
-        raise PagedWindowError(f"{what}: {name} is on {w.device} but the pool is on {pool.device}")
+    if w.dtype not in (dtype, torch.float32):
+        raise PagedWindowError(f"{what}: {name} dtype {w.dtype} must be the pool's {dtype} or torch.float32")
+    if w.device != device:
+        raise PagedWindowError(f"{what}: {name} is on {w.device} but the pool is on {device}")
     if not w.is_contiguous():
         raise PagedWindowError(f"{what}: {name} must be contiguous (strides {w.stride()})")
 
@@ -345,27 +379,40 @@ def prepare_paged_qkv(
     rows, hq, hkv, d = state.total_tokens, state.num_qo_heads, state.num_kv_heads, state.head_dim
     if d % 2 or d > MAX_HEAD_DIM:
         raise PagedWindowError(f"{what}: head_dim {d} must be even and at most {MAX_HEAD_DIM} (rotate-half RoPE)")
-    check_rope(what, d, rope_theta, rope_position_factor, state.total_pages * state.page_size)  # bounds every position
-    _check_rows(what, "q", q, rows=rows, tail=(hq, d), pool=pool)
-    _check_rows(what, "k", k, rows=rows, tail=(hkv, d), pool=pool)
-    _check_rows(what, "v", v, rows=rows, tail=(hkv, d), pool=pool)
-    _check_norm_weight(what, "q_norm_weight", q_norm_weight, head_dim=d, pool=pool)
-    _check_norm_weight(what, "k_norm_weight", k_norm_weight, head_dim=d, pool=pool)
+    compiling = torch.compiler.is_compiling()
+    max_position = state.total_pages * state.page_size  # bounds every position
+    check_rope(what, d, rope_theta, rope_position_factor, max_position, compiling=compiling)
+    dtype, device = pool.dtype, pool.device
+    _check_rows(what, "q", q, rows=rows, tail=(hq, d), dtype=dtype, device=device)
+    _check_rows(what, "k", k, rows=rows, tail=(hkv, d), dtype=dtype, device=device)
+    _check_rows(what, "v", v, rows=rows, tail=(hkv, d), dtype=dtype, device=device)
+    _check_norm_weight(what, "q_norm_weight", q_norm_weight, head_dim=d, dtype=dtype, device=device)
+    _check_norm_weight(what, "k_norm_weight", k_norm_weight, head_dim=d, dtype=dtype, device=device)
     if q_norm_weight.dtype != k_norm_weight.dtype:
         raise PagedWindowError(
             f"{what}: q_norm_weight ({q_norm_weight.dtype}) and k_norm_weight ({k_norm_weight.dtype}) "
             "must share a dtype"
         )
-    inputs = (("q", q), ("k", k), ("v", v), ("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight))
+    written: list[tuple[str, torch.Tensor]] = []
     if out_q is None:
         out_q = torch.empty((rows, hq, d), dtype=q.dtype, device=q.device)
     else:
-        _check_rows(what, "out_q", out_q, rows=rows, tail=(hq, d), pool=pool)
-        _check_writable(what, "out_q", out_q)
-        _check_disjoint(what, "out_q", out_q, *inputs, ("pool", pool))
-    _check_writable(what, "pool", pool)
-    _check_disjoint(what, "pool", pool, *inputs)
-    chosen = _resolve_backend(what, backend, plan, pool, q, k, v, out_q, q_norm_weight, k_norm_weight)
+        _check_rows(what, "out_q", out_q, rows=rows, tail=(hq, d), dtype=dtype, device=device)
+        _check_writable(what, "out_q", out_q, compiling)
+        written.append(("out_q", out_q))
+    _check_writable(what, "pool", pool, compiling)
+    written.append(("pool", pool))
+    spans = _memory_spans(
+        compiling,
+        *written,
+        ("q", q),
+        ("k", k),
+        ("v", v),
+        ("q_norm_weight", q_norm_weight),
+        ("k_norm_weight", k_norm_weight),
+    )
+    _check_disjoint(what, spans, len(written))
+    chosen = _resolve_backend(what, backend, plan, device, dtype, _addresses(spans))
     if rows == 0:
         return out_q[:0]
     if chosen == "cuda":

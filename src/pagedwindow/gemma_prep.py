@@ -90,12 +90,14 @@ def check_prep_scalars(what: str, eps, rope_theta, rope_position_factor) -> tupl
     return checked
 
 
-def check_rope(what: str, head_dim: int, rope_theta: float, position_factor: float, max_position: int) -> None:
+def check_rope(
+    what: str, head_dim: int, rope_theta: float, position_factor: float, max_position: int, *, compiling: bool
+) -> None:
     """RoPE's inverse frequencies are finite, positive fp32 values and the largest angle
     ``max_position * max(inv_freq)`` is finite in fp32 (else cos/sin are NaN). Eager calls check the fp32 values
-    themselves (cached per arguments); under ``torch.compile`` the same bounds are checked in plain Python on the
-    extreme frequencies (the first and the last), which tracing allows."""
-    if torch.compiler.is_compiling():
+    themselves (cached per arguments); under ``torch.compile`` (``compiling``) the same bounds are checked in plain
+    Python on the extreme frequencies (the first and the last), which tracing allows."""
+    if compiling:
         ends = (1.0 / position_factor, rope_theta ** (-(head_dim - 2) / head_dim) / position_factor)
         low, high = min(ends), max(ends)
     else:

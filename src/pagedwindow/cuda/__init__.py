@@ -26,13 +26,12 @@ PREPARE_HEAD_DIMS = (64, 128, 256, 512)
 _log = logging.getLogger(__name__)
 
 
-def unsupported(what: str, plan: PrefillPagedPlan, *tensors: torch.Tensor) -> str | None:
+def unsupported(what: str, plan: PrefillPagedPlan, dtype: torch.dtype, addresses) -> str | None:
     """Why the kernels cannot run this call (``auto`` then falls back to the reference), or None.
 
-    ``tensors`` are the call's tensors, the first one's dtype deciding; the kernels need 16-byte aligned
-    addresses (a contiguous view starting mid-row can break that).
+    ``dtype``: the call's tensors' (the pool's); ``addresses``: the call's tensors' addresses, None under
+    torch.compile. The kernels need 16-byte aligned addresses (a contiguous view starting mid-row can break that).
     """
-    dtype = tensors[0].dtype
     if what == "append_paged_kv":
         if dtype not in APPEND_DTYPES:
             return f"dtype {dtype} (supported: {APPEND_DTYPES})"
@@ -47,10 +46,9 @@ def unsupported(what: str, plan: PrefillPagedPlan, *tensors: torch.Tensor) -> st
         return f"head_dim {plan.head_dim} (the kernel is built for {PREFILL_HEAD_DIM})"
     elif plan.cta_tile_q not in SUPPORTED_CTA_TILE_Q:
         return f"the plan's tile cta_tile_q={plan.cta_tile_q} (the kernel runs {SUPPORTED_CTA_TILE_Q})"
-    if not torch.compiler.is_compiling():
-        for t in tensors:
-            if t is not None and t.data_ptr() % 16:
-                return f"a tensor at address {t.data_ptr():#x}, which is not 16-byte aligned"
+    for address in addresses or ():
+        if address % 16:
+            return f"a tensor at address {address:#x}, which is not 16-byte aligned"
     return None
 
 
@@ -239,7 +237,7 @@ def prepare_paged_qkv(
     out_q,
 ) -> None:
     """Launch the fused prep (eager: the launcher directly; compiled: the custom op)."""
-    buffer = plan.device_buffer(q.device)
+    device = q.device
     cap = plan.capacity
     if torch.compiler.is_compiling():
         ops.prepare_qkv(
@@ -250,7 +248,7 @@ def prepare_paged_qkv(
             out_q,
             q_norm_weight,
             k_norm_weight,
-            buffer,
+            plan.device_buffer(device),
             geometry.k_offset,
             geometry.v_offset,
             geometry.page_stride,
@@ -267,11 +265,11 @@ def prepare_paged_qkv(
             norm_style,
         )
         return
-    key = ("prepare", q.device.index)
+    key = ("prepare", device.index)
     block = plan.launch_cache.get(key)
-    if block is None:
+    if block is None:  # once per plan update: the block holds the plan buffer's address (uploaded at each update)
         block = plan.launch_cache[key] = ops.prepare_block(
-            buffer,
+            plan.device_buffer(device),
             cap.segment_offsets(),
             page_size=plan.page_size,
             num_qo_heads=plan.num_qo_heads,
@@ -282,6 +280,7 @@ def prepare_paged_qkv(
         )
     ops.launch_prepare(
         block,
+        device,
         q,
         k,
         v,

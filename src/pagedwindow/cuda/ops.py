@@ -369,6 +369,7 @@ def launch_append(
 
 def launch_prepare(
     block: PrepareLaunch,
+    device: torch.device,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -384,7 +385,7 @@ def launch_prepare(
     rope_position_factor: float,
     norm_style: str,
 ) -> None:
-    """Fill the per-call fields of ``block`` and launch the prep on ``q``'s device's current stream."""
+    """Fill the per-call fields of ``block`` and launch the prep on ``device`` (the tensors') current stream."""
     block.q, block.k, block.v, block.pool, block.q_out = (
         q.data_ptr(),
         k.data_ptr(),
@@ -402,8 +403,8 @@ def launch_prepare(
     if getattr(block, "rope", None) != rope:  # the 1 KiB field is copied only when the RoPE arguments change
         block.inv_freq = _inv_freq_field(block.head_dim, rope_theta, rope_position_factor)
         block.rope = rope
-    lib = _by_device.get(q.device.index) or library(q.device)
-    code = _launch_on(q.device, lib.pw_prepare_qkv, block)
+    lib = _by_device.get(device.index) or library(device)
+    code = _launch_on(device, lib.pw_prepare_qkv, block)
     if code != 0:
         _check(code, "pw_prepare_qkv", lib.pw_prepare_qkv_error_string)
 
@@ -558,6 +559,7 @@ def prepare_qkv(
     )
     launch_prepare(
         block,
+        q.device,
         q,
         k,
         v,

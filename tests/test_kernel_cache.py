@@ -6,6 +6,7 @@ kernels for sm_80.
 """
 
 import ctypes
+import functools
 import hashlib
 import importlib.util
 import json
@@ -19,7 +20,6 @@ import sys
 import textwrap
 import zipfile
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -440,9 +440,11 @@ def test_a_failed_build_and_autos_fallback_are_logged(env, fake_gpu, broken_nvcc
     plan = pagedwindow.PrefillPagedPlan.single(
         [0], 4, 0, 4, num_qo_heads=2, num_kv_heads=1, head_dim=256, page_size=16, cta_tile_q=16
     )  # a tile: no device to ask
-    on_gpu = torch.device("cuda", 0)  # the device is all the choice reads first
+    choose = functools.partial(
+        api._resolve_backend, "batch_prefill_paged_window", "auto", plan, torch.device("cuda", 0), torch.bfloat16, [0]
+    )  # the device is all the choice reads first
     with pytest.warns(RuntimeWarning, match="runs the PyTorch reference on cuda:0"):
-        assert api._resolve_backend("batch_prefill_paged_window", "auto", plan, on_gpu, torch.bfloat16, [0]) == "reference"
+        assert choose() == "reference"
     assert re.fullmatch(
         r"kernel build for sm_80 failed after \d+\.\d s", messages(caplog, "pagedwindow.cuda.build", logging.WARNING)[0]
     )
@@ -454,7 +456,7 @@ def test_a_failed_build_and_autos_fallback_are_logged(env, fake_gpu, broken_nvcc
         "the CUDA kernels could not be built or loaded"
     )
     caplog.clear()
-    assert api._resolve_backend("batch_prefill_paged_window", "auto", plan, on_gpu, torch.bfloat16, [0]) == "reference"
+    assert choose() == "reference"
     assert messages(caplog, "pagedwindow.api", logging.WARNING) == []
     assert messages(caplog, "pagedwindow.api") == [fallback]  # at DEBUG from the second time on
 

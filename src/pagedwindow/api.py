@@ -316,9 +316,7 @@ def append_paged_kv(
         reference.append_paged_kv(k.detach(), v.detach(), pool, geometry, plan)
 
 
-def _check_norm_weight(
-    what: str, name: str, w, *, head_dim: int, dtype: torch.dtype, device: torch.device
-) -> None:
+def _check_norm_weight(what: str, name: str, w, *, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
     """A norm weight: a contiguous ``[head_dim]`` tensor on ``device`` (the pool's), in ``dtype`` (the pool's) or
     fp32."""
     if (

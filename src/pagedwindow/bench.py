@@ -376,6 +376,18 @@ def e2e_ms(calls: list, iters: int, loops: int, synchronize=torch.cuda.synchroni
     return statistics.median(per_call)
 
 
+def interleaved_e2e_ms(
+    calls: dict[str, list], iters: int, rounds: int, synchronize=torch.cuda.synchronize
+) -> dict[str, float]:
+    """:func:`e2e_ms` of each system (name -> its calls), the systems taking turns loop by loop for ``rounds``
+    rounds (host drift hits all alike); per system, the median over its loops."""
+    per_call: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, system_calls in calls.items():
+            per_call[name].append(e2e_ms(system_calls, iters, 1, synchronize))
+    return {name: statistics.median(times) for name, times in per_call.items()}
+
+
 def host_ms(fn, reps: int, synchronize=torch.cuda.synchronize) -> float:
     """Median host wall-clock ms of ``fn()`` (after a warm-up), the device idle before each call."""
     fn()

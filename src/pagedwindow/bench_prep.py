@@ -22,10 +22,10 @@ new K/V slots:
 Every system's q_out and the pool's whole layer (the new slots, and no stray write elsewhere) are checked against
 ``prepare_paged_qkv(backend="reference")`` (fp32 math, one rounding) before timing: per part (q, K, V),
 ``max |got - ref| <= PREP_TOLERANCE * max |ref|`` over that part's new rows. The three times are the attention
-bench's (``pagedwindow.bench``): ``e2e_ms`` back-to-back calls, ``ms`` CUDA-event kernel time with the host queued
-ahead, ``plan_ms`` host planning. Bandwidth counts the minimum traffic (:func:`prep_bytes`); the HBM bandwidth
-is a large device-to-device copy measured in the same run. Results: ``<gpu>-<date>-prep[-label].json`` / ``.md``
-/ ``-bandwidth.png``.
+bench's (``pagedwindow.bench``): ``e2e_ms`` back-to-back calls (the systems take turns loop by loop; the median
+of each one's loops), ``ms`` CUDA-event kernel time with the host queued ahead, ``plan_ms`` host planning.
+Bandwidth counts the minimum traffic (:func:`prep_bytes`); the HBM bandwidth is a large device-to-device copy
+measured in the same run. Results: ``<gpu>-<date>-prep[-label].json`` / ``.md`` / ``-bandwidth.png``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,20 @@ import torch
 
 import pagedwindow as pw
 
-from .bench import HEAD_DIM, HKV, HQ, NO_PLAN, Csr, Workload, _num, e2e_ms, host_ms, median_ms, plan_kwargs, plan_times
+from .bench import (
+    HEAD_DIM,
+    HKV,
+    HQ,
+    NO_PLAN,
+    Csr,
+    Workload,
+    _num,
+    host_ms,
+    interleaved_e2e_ms,
+    median_ms,
+    plan_kwargs,
+    plan_times,
+)
 from .bench import result_stem as _result_stem
 from .gemma_prep import rope_inv_freq
 from .measure.bench_results import PREP_LABEL, PREP_SYSTEMS, copy_gbs, gbs, prep_bars, prep_ratios
@@ -484,21 +497,22 @@ def check_prep_system(record: dict, system: str, w: PrepWorkload, inp: PrepInput
 
 
 def _time_prep_system(
-    record: dict, system: str, w: PrepWorkload, input_sets: list, want: PrepExpected, reps: int, loops: int, hbm
-) -> None:
-    """Check ``system``'s output on the first input set, then fill ``record`` with its times and bandwidth."""
+    record: dict, system: str, w: PrepWorkload, input_sets: list, want: PrepExpected, reps: int, hbm
+) -> list | None:
+    """Check ``system``'s output on the first input set, then fill ``record`` with its kernel and plan times and
+    bandwidth; returns its calls (one per input set) for the end-to-end loops, or None when the check failed."""
     first = check_prep_system(record, system, w, input_sets[0], want, "cuda")
     if first is None:
-        return
+        return None
     made = [first] + [PREP_MAKERS[system](w, inp, "cuda") for inp in input_sets[1:]]
     calls = [m.call for m in made]
     ms = median_ms(calls, reps)
     record.update(ms=ms, gbs=gbs(w.bytes_moved(), ms))
     record["hbm_fraction"] = record["gbs"] / hbm if hbm else None
-    record["e2e_ms"] = e2e_ms(calls, reps, loops)
     if first.parts:
         record["part_ms"] = {name: median_ms([fn], reps) for name, fn in first.parts.items()}
     record.update(prep_plan_times(system, w, input_sets[0], max(5, reps // 2)))
+    return calls
 
 
 def allocations_per_10_calls(call: Callable[[], None]) -> int:
@@ -535,7 +549,7 @@ def run_prep_bench(out="benchmarks/results", workloads=None, systems=None, quick
     device = torch.device("cuda")
     chosen = [PREP_WORKLOADS[n] for n in (workloads or PREP_WORKLOADS)]
     systems = list(systems or PREP_SYSTEMS)
-    reps, sets, loops = (10, 2, 3) if quick else (50, 3, 5)
+    reps, sets, rounds = (10, 2, 3) if quick else (50, 3, 15)
     hbm = hbm_bandwidth_gbs(device)
     print(f"HBM copy bandwidth: {hbm:.0f} GB/s ({HBM_COPY_BYTES >> 30} GiB copy_, read + written, best of 10)")
     records, allocations = [], {}
@@ -543,18 +557,27 @@ def run_prep_bench(out="benchmarks/results", workloads=None, systems=None, quick
         gen = torch.Generator().manual_seed(0)
         input_sets = [make_prep_inputs(w, gen, device) for _ in range(sets)]
         want = prep_reference(input_sets[0])
+        timed, workload_records = {}, []
         for system in systems:
             record = new_prep_record(system, w)
             try:
-                _time_prep_system(record, system, w, input_sets, want, reps, loops, hbm)
+                calls = _time_prep_system(record, system, w, input_sets, want, reps, hbm)
             except ImportError as exc:
                 record["status"] = f"missing: {exc}"
             except Exception as exc:  # a peer that fails is reported, not dropped
                 record["status"] = f"failed: {type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
                 traceback.print_exc()
+            else:
+                if calls is not None:
+                    timed[system] = calls
+            workload_records.append(record)
+        # end to end: the systems take turns loop by loop, so the host's drift hits all of them alike
+        e2e = interleaved_e2e_ms(timed, reps, rounds)
+        for record in workload_records:
+            record["e2e_ms"] = e2e.get(record["system"])
             records.append(record)
             print(
-                f"{w.name:>20} {system:>15}  e2e {_num(record['e2e_ms'], '9.4f')}  kernel "
+                f"{w.name:>20} {record['system']:>15}  e2e {_num(record['e2e_ms'], '9.4f')}  kernel "
                 f"{_num(record['ms'], '9.4f')}  plan {_num(record['plan_ms'], '8.4f')} ms  "
                 f"{_num(record['gbs'], '7.0f')} GB/s  {record['status']}",
                 flush=True,
@@ -673,7 +696,8 @@ def prep_markdown(result: dict) -> str:
         lines += ["", "Unfused steps timed alone (kernel ms): " + "; ".join(parts) + "."]
     lines += [
         "",
-        "e2e: back-to-back calls, wall clock, host not queued ahead; kernel: CUDA events, host queued ahead; plan: "
+        "e2e: back-to-back calls, wall clock, host not queued ahead, the systems taking turns loop by loop (median "
+        "of each one's loops); kernel: CUDA events, host queued ahead; plan: "
         "host time (pagedwindow `from_csr`; FlashInfer `get_seq_lens` + `get_batch_indices_positions` on CUDA "
         "CSR arrays; HF none). GB/s: the minimum traffic (q, k, v read, q_out, K, V written, the two weights) over "
         "kernel time. hf_torch_append computes cos/sin in every call (HF: once per forward for all layers; its "

@@ -340,6 +340,21 @@ def test_newest_results_never_picks_a_prep_file(tmp_path):
     assert bp.prep_stem("NVIDIA H100 80GB HBM3", "2026-12-04", "t1") == "h100-80gb-hbm3-2026-12-04-prep-t1"
 
 
+def test_newest_results_never_picks_a_tool_table(tmp_path):
+    """host_cost.py / plan_profile.py write ``{"gpu", "rows"}`` tables under the results' naming: never picked."""
+    attention = tmp_path / "h200-2026-12-03.json"
+    attention.write_text(json.dumps({"gpu": "H200", "peak_bf16_tflops": 900.0, "records": []}))
+    (tmp_path / "h200-2026-12-05-host-cost.json").write_text(json.dumps({"gpu": "H200", "rows": []}))
+    (tmp_path / "h200-2026-12-04-plan-forms.json").write_text(json.dumps({"gpu": "H200", "rows": [], "reps": 3}))
+    assert bench_results.newest_results(tmp_path) == attention
+    assert bench_results.is_tool_table(tmp_path / "h200-2026-12-05-host-cost.json")
+    assert not bench_results.is_tool_table(attention)
+    broken = tmp_path / "h200-2026-12-06.json"
+    broken.write_text("{not json")
+    assert bench_results.newest_results(tmp_path) == broken  # left for the reader to report
+    assert not bench_results.is_tool_table(tmp_path / "absent.json")
+
+
 # -- command line and refusals ---------------------------------------------------------------------------------------
 @pytest.fixture
 def no_gpu(monkeypatch):

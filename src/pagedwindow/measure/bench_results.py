@@ -10,7 +10,8 @@ are auxiliary metrics (e.g. ``{"metric": "allocations_per_10_calls", "value": 0}
 
 The prep suite (``pagedwindow bench --prep``) writes ``<gpu>-<date>-prep[-label].json`` with ``"suite": "prep"``,
 the HBM copy bandwidth of the same run (``hbm_gbs``) in place of a GEMM rate, and its own ratios and bars
-(:func:`prep_ratios`, :func:`prep_bars`); :func:`newest_results` never picks such a file.
+(:func:`prep_ratios`, :func:`prep_bars`); :func:`newest_results` never picks such a file, nor a table of the
+host-cost and planning tools (``{"gpu": str, "rows": [...]}``).
 """
 
 from __future__ import annotations
@@ -47,17 +48,28 @@ def is_prep_results(name: str) -> bool:
     return bool(match) and (match.group(3) == f"-{PREP_LABEL}" or match.group(3).startswith(f"-{PREP_LABEL}-"))
 
 
+def is_tool_table(path: Path) -> bool:
+    """Whether a ``<gpu>-<date>-label.json`` is a table of the host-cost and planning tools
+    (``benchmarks/host_cost.py``, ``benchmarks/plan_profile.py``: an object with ``"rows"`` and no
+    ``"records"``), not attention results. A file that cannot be read as JSON is not one (the reader reports it)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "rows" in data and "records" not in data
+
+
 def newest_results(results_dir) -> Path | None:
     """The ``<gpu>-<date>*.json`` with the latest date in the directory ``results_dir`` (name order breaks ties),
     or None (also for ``results_dir`` None or not a directory); the prep suite's files (:func:`is_prep_results`)
-    are not attention results and are never picked. A name as a user typed it is resolved first by the
-    caller (``pagedwindow.viz.paths.resolve_path``: the working directory, then the repository)."""
+    and the tools' tables (:func:`is_tool_table`) are not attention results and are never picked. A name as a
+    user typed it is resolved first by the caller (``pagedwindow.viz.paths.resolve_path``: the working directory,
+    then the repository)."""
     if results_dir is None or not Path(results_dir).is_dir():
         return None
     files = [p for p in Path(results_dir).iterdir() if RESULTS_PATTERN.match(p.name) and not is_prep_results(p.name)]
-    if not files:
-        return None
-    return max(files, key=lambda p: (RESULTS_PATTERN.match(p.name).group(2), p.name))
+    newest_first = sorted(files, key=lambda p: (RESULTS_PATTERN.match(p.name).group(2), p.name), reverse=True)
+    return next((p for p in newest_first if not is_tool_table(p)), None)
 
 
 @dataclass

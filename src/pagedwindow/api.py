@@ -13,7 +13,8 @@ any write.
 
 Host cost: a call re-checks everything, but what depends only on the pool is cached (the checked geometry, keyed
 by the layout, layer and the pool's dtype, shape, device and contiguity) and what depends only on the plan is
-computed once per plan update (the kernels' parameter block).
+computed once per plan update (the kernels' parameter block). Within a call each tensor's address is read once (one
+pass feeds the overlap check and the backend's alignment check) and ``torch.compiler.is_compiling()`` is asked once.
 """
 
 from __future__ import annotations

@@ -260,6 +260,25 @@ def test_e2e_and_host_times_are_per_call_wall_clock():
     assert 2.0 <= bench.host_ms(call(0), 3, synchronize=lambda: None) < 50 and counts[0] == 7 + 4
 
 
+def test_interleaved_e2e_takes_turns_and_keeps_each_systems_median():
+    order = []
+
+    def system(name, seconds):
+        def run():
+            order.append(name)
+            time.sleep(seconds)
+
+        return [run]
+
+    e2e = bench.interleaved_e2e_ms(
+        {"fast": system("fast", 0.001), "slow": system("slow", 0.004)}, iters=2, rounds=3, synchronize=lambda: None
+    )
+    assert sorted(e2e) == ["fast", "slow"] and 1.0 <= e2e["fast"] < e2e["slow"] < 50
+    # each round: one system's warm-up call and loop of 2, then the other's
+    assert order == (["fast"] * 3 + ["slow"] * 3) * 3
+    assert bench.interleaved_e2e_ms({}, iters=2, rounds=3) == {}
+
+
 # -- names ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "name, slug",

@@ -235,6 +235,21 @@ def test_bad_lse(case):
     expect_refusal(prefill_call(case, out_tensor=out, lse=lse), "lse shape (8, 5) must be [rows, 4]", out, lse)
 
 
+@pytest.mark.parametrize(
+    "make_lse, fragment",
+    [
+        (lambda c, out: out.view(-1)[: 8 * HQ].view(8, HQ), "out overlaps lse"),
+        (lambda c, out: c.q.view(-1)[: 8 * HQ].view(8, HQ), "lse overlaps q"),
+        (lambda c, out: c.pool.view(-1)[: 8 * HQ].view(8, HQ), "lse overlaps pool"),
+    ],
+)
+def test_lse_overlapping_another_tensor_is_refused(case, make_lse, fragment):
+    """lse is written like out: sharing a byte with out, q or the pool is refused before anything is written."""
+    out = full(case.q.shape)
+    lse = make_lse(case, out)
+    expect_refusal(prefill_call(case, out_tensor=out, lse=lse), fragment, out, lse, case.pool, case.q)
+
+
 def test_bad_backend(case):
     out = full(case.q.shape)
     expect_refusal(prefill_call(case, backend="triton", out_tensor=out), "backend 'triton' is not one of", out)
@@ -257,6 +272,7 @@ def test_bad_backend(case):
         ("k", lambda c: c.k.half(), "k dtype torch.float16 must be torch.float32"),
         ("v", lambda c: c.v.transpose(0, 1).contiguous().transpose(0, 1), "v must be contiguous"),
         ("k", lambda c: c.pool.view(-1)[: 8 * HKV * D].view(8, HKV, D), "pool overlaps k"),
+        ("v", lambda c: c.pool.view(-1)[-8 * HKV * D :].view(8, HKV, D), "pool overlaps v"),
     ],
 )
 def test_bad_append_inputs(case, which, make, fragment):

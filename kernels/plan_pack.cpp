@@ -33,8 +33,7 @@ struct Ints {
 };
 
 // Copy page ids into the block as int32; returns the largest, or -1 when one is outside 0..int32.
-template <typename T>
-int64_t copy_page_ids(const T* ids, int64_t n, int32_t* out) {
+int64_t copy_page_ids(const int64_t* ids, int64_t n, int32_t* out) {
   int64_t low = 0, high = -1;
   for (int64_t j = 0; j < n; ++j) {
     const int64_t id = ids[j];
@@ -44,6 +43,22 @@ int64_t copy_page_ids(const T* ids, int64_t n, int32_t* out) {
   }
   return (low < 0 || high > kInt32Max) ? -1 : high;
 }
+
+// int32 ids: one unsigned maximum covers both bounds (a negative id reads as one above int32's maximum), and the
+// loop stays in 32-bit lanes.
+int64_t copy_page_ids(const int32_t* ids, int64_t n, int32_t* out) {
+  uint32_t high = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t id = static_cast<uint32_t>(ids[j]);
+    high = id > high ? id : high;
+    out[j] = ids[j];
+  }
+  if (n == 0) return -1;  // as the int64 overload: no largest id
+  return high > static_cast<uint32_t>(kInt32Max) ? -1 : static_cast<int64_t>(high);
+}
+
+// The tiles whose counts the tile policy reads (pagedwindow.tiles.SUPPORTED_CTA_TILE_Q, in order).
+constexpr int64_t kPolicyTiles[3] = {16, 64, 128};
 
 }  // namespace
 
@@ -55,10 +70,14 @@ enum PwPackStatus {
   PW_PACK_TOO_SMALL = 4,  // the block the caller gave is too small (a caller bug)
 };
 
+constexpr int PW_PACK_SCALARS = 11;  // pagedwindow.plan._PACK_SCALARS
+
 extern "C" {
 
-// Validate and pack. scalars [5] receives max_page_index, max_last_page_len, total_tokens, total_pages,
-// num_tiles (each within int32 once validated); start_positions [batch] receives kv_len - seq_len per request.
+// Validate and pack. scalars [PW_PACK_SCALARS] receives max_page_index, max_last_page_len, total_tokens,
+// total_pages, num_tiles (at `tile`), then what the tile policy reads: the most packed rows (seq_len * group) of
+// one request, the longest kv_len, the requests with new rows, and the tiles at each of kPolicyTiles (each
+// within int32 once validated); start_positions [batch] receives kv_len - seq_len per request.
 // A null kv_indices means the page ids were checked and copied on the device (kernels/plan_check.cu): only
 // num_indices is used, the block's page segment is left unwritten and max_page_index is -1.
 int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int kv_is64, const void* kv_indices,
@@ -70,7 +89,8 @@ int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int 
   // Indptrs: start at 0, never above int32, seq_len >= 0 and at least one page per request. Last page
   // lengths in 1..page_size, kv_len within int32, seq_len <= kv_len. Tiles per request: ceil(seq * group / tile).
   if (qo[0] != 0 || kv[0] != 0) return PW_PACK_INVALID;
-  int64_t num_tiles = 0, max_last = 0;
+  int64_t num_tiles = 0, max_last = 0, max_rows = 0, max_kv_len = 0, busy = 0;
+  int64_t policy_tiles[3] = {0, 0, 0};
   for (int64_t i = 0; i < batch; ++i) {
     const int64_t q1 = qo[i + 1], k1 = kv[i + 1], l = last[i];
     if (q1 < qo[i] || q1 > kInt32Max || k1 < kv[i] + 1 || k1 > kInt32Max || l < 1 || l > page_size)
@@ -78,8 +98,13 @@ int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int 
     const int64_t seq = q1 - qo[i];
     const int64_t kv_len = (k1 - kv[i] - 1) * page_size + l;
     if (kv_len > kInt32Max || seq > kv_len) return PW_PACK_INVALID;
-    num_tiles += (seq * group + tile - 1) / tile;
+    const int64_t rows = seq * group;
+    num_tiles += (rows + tile - 1) / tile;
+    for (int k = 0; k < 3; ++k) policy_tiles[k] += (rows + kPolicyTiles[k] - 1) / kPolicyTiles[k];
     if (l > max_last) max_last = l;
+    if (rows > max_rows) max_rows = rows;
+    if (kv_len > max_kv_len) max_kv_len = kv_len;
+    busy += seq > 0;
   }
   const int64_t total_tokens = qo[batch], total_pages = kv[batch];
   if (total_pages > num_indices || total_tokens * group > kInt32Max || num_tiles > kInt32Max) return PW_PACK_INVALID;
@@ -132,6 +157,11 @@ int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int 
   scalars[2] = static_cast<int32_t>(total_tokens);
   scalars[3] = static_cast<int32_t>(total_pages);
   scalars[4] = static_cast<int32_t>(num_tiles);
+  scalars[5] = static_cast<int32_t>(max_rows);
+  scalars[6] = static_cast<int32_t>(max_kv_len);
+  scalars[7] = static_cast<int32_t>(busy);
+  static_assert(8 + 3 == PW_PACK_SCALARS, "the scalars' layout");
+  for (int k = 0; k < 3; ++k) scalars[8 + k] = static_cast<int32_t>(policy_tiles[k]);
   return PW_PACK_OK;
 }
 

@@ -227,3 +227,14 @@ def test_the_compiled_pass_runs_where_a_kernels_library_is_loaded(monkeypatch):
     monkeypatch.setattr(ops, "_by_device", {0: loaded})  # a library loaded for device 0: any plan may use it
     assert native.loaded() is loaded and plan_module._loaded_kernels() is loaded
     assert plan_module._host_pass_library(None) is loaded and plan_module._host_pass_library("cpu") is loaded
+
+
+def test_the_compiled_pass_counts_tiles_at_the_supported_tiles():
+    """``pw_plan_pack`` counts the policy's tiles at ``kPolicyTiles``, which the plan reads as the tiles of
+    ``SUPPORTED_CTA_TILE_Q`` in order, and writes ``_PACK_SCALARS`` scalars."""
+    import re
+
+    source = host_pass.SOURCE.read_text()
+    listed = re.search(r"kPolicyTiles\[3\] = \{([^}]*)\}", source).group(1)
+    assert tuple(int(t) for t in listed.split(",")) == plan_module.SUPPORTED_CTA_TILE_Q
+    assert f"PW_PACK_SCALARS = {plan_module._PACK_SCALARS};" in source

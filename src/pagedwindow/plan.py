@@ -66,6 +66,7 @@ from .tiles import (
     device_traits,
     tile_for_batch,
     tile_for_capacity,
+    tile_for_counts,
 )
 
 __all__ = [
@@ -162,6 +163,14 @@ def _exact_capacity(total_tokens: int, total_pages: int, batch: int, num_tiles: 
 def _segment_offsets(cap: PlanCapacity) -> tuple[int, ...]:
     sizes = cap.segment_sizes()
     return tuple(sum(sizes[:i]) for i in range(len(sizes)))
+
+
+@functools.lru_cache(maxsize=64)
+def _offsets_array(cap: PlanCapacity) -> tuple[np.ndarray, int]:
+    """``cap``'s segment offsets as a read-only int64 array [7] for the compiled upload, and its address."""
+    offsets = np.array(_segment_offsets(cap), dtype=np.int64)  # [7]
+    offsets.flags.writeable = False
+    return offsets, offsets.ctypes.data
 
 
 class _DevicePageIds:
@@ -629,6 +638,13 @@ def _writable_address(array: np.ndarray) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(array.data))
 
 
+_PACK_SCALARS = 11
+"""The scalars ``pw_plan_pack`` writes (``PW_PACK_SCALARS``): max_page_index, max_last_page_len, total_tokens,
+total_pages, num_tiles, then the tile policy's counts: the most packed rows of one request, the longest kv_len,
+the requests with new rows, the tiles at each of ``SUPPORTED_CTA_TILE_Q``."""
+_SMALLEST_TILE = min(SUPPORTED_CTA_TILE_Q)
+
+
 def _compiled_pass(
     lib, arrays, given, heads: _Heads, tile: int | None, device, checked=None
 ) -> tuple[_PlanState, str] | None:
@@ -636,7 +652,9 @@ def _compiled_pass(
     pass must run: an argument it does not take (a dtype other than int32/int64, strided, a size the numpy pass
     refuses anyway) or any status but OK (the numpy pass then names the error, or rules on shared pages).
     ``checked``: the page ids' pass already ran on the device (a ``host_pass.DeviceChecked``, which then holds the
-    small arrays: ``arrays`` is None): only the rest is checked here, and the state keeps the ids on the device."""
+    small arrays: ``arrays`` is None): only the rest is checked here, and the state keeps the ids on the device.
+    ``tile`` None: the pass packs at the smallest tile and returns the counts the policy reads; where the policy
+    picks another tile, a second pass packs at it."""
     if checked is not None:
         arrays = (checked.qo_indptr, checked.kv_indptr, None, checked.last_page_len)
     qo_indptr, kv_indptr, kv_indices, last_page_len = arrays
@@ -653,21 +671,9 @@ def _compiled_pass(
     group = heads.group
     if not (0 <= total_tokens and total_tokens * group <= INT32_MAX and 0 <= total_pages <= num_indices):
         return None
-    reason = "explicit"
-    if tile is None:
-        seq = qo_indptr[1:] - qo_indptr[:-1]  # [batch] (checked by the pass below; a bad one costs the numpy pass)
-        if seq.min() < 0:
-            return None
-
-        def longest_kv_len() -> int:  # unchecked input: only steers the tile; the pass below checks it
-            pages = (kv_indptr[1:] - kv_indptr[:-1]).astype(np.int64)  # [batch]
-            return int(_kv_lens(pages, last_page_len, heads.page_size).max())
-
-        tile, reason = tile_for_batch(
-            seq, group, heads.num_kv_heads, _policy_device(device), longest_kv_len=longest_kv_len
-        )
-    bound = 3 + 3 * batch + 2 + 2 * (total_tokens * group // tile + batch + 1) + total_pages  # num_tiles <= ...
-    out = np.empty(5 + batch + bound, dtype=np.int32)  # [5 + batch + bound]: scalars, start positions, block
+    # num_tiles <= total rows // tile + batch: the bound at the smallest tile covers every tile
+    bound = 3 + 3 * batch + 2 + 2 * (total_tokens * group // (tile or _SMALLEST_TILE) + batch + 1) + total_pages
+    out = np.empty(_PACK_SCALARS + batch + bound, dtype=np.int32)  # [scalars + batch + bound]
     address = _writable_address(out)
     given = given or (None,) * 4
     addresses: list[int | None]
@@ -676,36 +682,57 @@ def _compiled_pass(
     else:  # one int64 array: qo_indptr [batch + 1], kv_indptr [batch + 1], last_page_len [batch]
         base = _writable_address(checked.arrays)
         addresses = [base, base + 8 * (batch + 1), None, base + 16 * (batch + 1)]
-    status = lib.pw_plan_pack(
-        addresses[0],
-        flags[0],
-        addresses[1],
-        flags[1],
-        addresses[2],
-        indices_flag,
-        num_indices,
-        addresses[3],
-        flags[-1],
-        batch,
-        heads.page_size,
-        group,
-        tile,
-        address + 4 * (5 + batch),
-        bound,
-        address + 20,
-        address,
-    )
-    if status != 0:
+
+    def pack(tile: int) -> bool:
+        status = lib.pw_plan_pack(
+            addresses[0],
+            flags[0],
+            addresses[1],
+            flags[1],
+            addresses[2],
+            indices_flag,
+            num_indices,
+            addresses[3],
+            flags[-1],
+            batch,
+            heads.page_size,
+            group,
+            tile,
+            address + 4 * (_PACK_SCALARS + batch),
+            bound,
+            address + 4 * _PACK_SCALARS,
+            address,
+        )
+        return status == 0
+
+    reason = "explicit"
+    if not pack(tile or _SMALLEST_TILE):
         return None
-    high, max_last, total_tokens, total_pages, num_tiles = out[:5].tolist()
+    scalars = out[:_PACK_SCALARS].tolist()
+    if tile is None:
+        tiles = dict(zip(SUPPORTED_CTA_TILE_Q, scalars[8:]))
+        tile, reason = tile_for_counts(
+            scalars[5],
+            tiles.__getitem__,
+            lambda: scalars[7],
+            heads.num_kv_heads,
+            _policy_device(device),
+            longest_kv_len=lambda: scalars[6],
+        )
+        if tile != _SMALLEST_TILE:
+            if not pack(tile):
+                return None
+            scalars = out[:_PACK_SCALARS].tolist()
+    high, max_last, total_tokens, total_pages, num_tiles = scalars[:5]
     if checked is not None:
         high = checked.max_page_index
     entries = _packed_offsets(batch, num_tiles)[6] + total_pages
+    start = _PACK_SCALARS + batch
     state = _state_of_block(
         heads,
         tile,
-        out[5 + batch : 5 + batch + entries],
-        out[5 : 5 + batch],
+        out[start : start + entries],
+        out[_PACK_SCALARS:start],
         batch=batch,
         total_tokens=total_tokens,
         total_pages=total_pages,
@@ -865,6 +892,7 @@ class _DeviceMirror:
         "event_handles",
         "events_address",
         "split_kv",
+        "split_kv_unit_floats",
         "__weakref__",
     )
 
@@ -899,6 +927,7 @@ class _DeviceMirror:
             self.events: list[torch.cuda.Event | None] = [None] * self.STAGING_BUFFERS
         self.fitted: PlanCapacity | None = None
         self.split_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # made by ensure_split_kv
+        self.split_kv_unit_floats = 0  # the unit size split_kv was made for
         self.fit(capacity)
 
     @classmethod
@@ -916,21 +945,20 @@ class _DeviceMirror:
             return
         self.buffer = self.storage[: capacity.buffer_entries]  # [entries] a view: the storage's address
         if self.lib is not None:
-            self.offsets = np.array(capacity.segment_offsets(), dtype=np.int64)  # [7]
-            self.offsets_address = self.offsets.ctypes.data
+            self.offsets, self.offsets_address = _offsets_array(capacity)
         self.fitted = capacity
 
     def ensure_split_kv(self, unit_floats: int) -> None:
         """Give the mirror ``split_kv``, the split-KV scratch on its device, unless it has one of this unit size:
         ``SPLIT_KV_UNITS_PER_SM`` units per SM of ``unit_floats`` fp32 each, and a zeroed int32 counter per unit
         (the kernel leaves the counters zero after every launch). It stays with the mirror, pooled with it."""
-        found = self.split_kv
-        if found is None or len(found[0]) != len(found[1]) * unit_floats:
+        if unit_floats != self.split_kv_unit_floats:
             units = SPLIT_KV_UNITS_PER_SM * device_traits(self.storage.device)[1]
             self.split_kv = (
                 torch.empty(units * unit_floats, dtype=torch.float32, device=self.storage.device),  # [units*unit]
                 torch.zeros(units, dtype=torch.int32, device=self.storage.device),  # [units]
             )
+            self.split_kv_unit_floats = unit_floats
 
     def upload(self, state: _PlanState, cap: PlanCapacity) -> None:
         """Copy ``state`` asynchronously on the device's current stream: its live entries, in one copy (an

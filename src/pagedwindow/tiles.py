@@ -102,34 +102,58 @@ def tile_for_batch(
     longest_kv_len: Callable[[], int],
 ) -> tuple[int, str]:
     """The default tile for a batch with these new-row counts (``seq_lens [batch]``); ``longest_kv_len()`` gives
-    the largest kv_len of the batch and is called only when the rule needs it. Returns (tile, reason)."""
-    capability, sm_count = device_traits(device)
-    arch = f"sm_{capability[0]}{capability[1]}"
+    the largest kv_len of the batch and is called only when the rule needs it. Returns (tile, reason).
+    :func:`tile_for_counts` with the counts taken from ``seq_lens``."""
     listed: list[int] | None = [s * group for s in seq_lens.tolist()] if len(seq_lens) <= _SMALL_BATCH else None
     busiest = max(listed) if listed is not None else int(seq_lens.max()) * group  # packed rows, largest request
-    if busiest <= SPLIT_ROWS:
-        return 16, f"policy {arch}: at most {busiest} packed rows per request (decode)"
     rows = None if listed is not None else seq_lens.astype(np.int64) * group  # [batch] packed rows per request
 
-    def grid(tile: int) -> int:  # CTAs (tiles x KV heads) at this tile; a request with no new rows has none
+    def tiles_at(tile: int) -> int:  # tiles at this tile; a request with no new rows has none
         if rows is None:
             assert listed is not None
-            return sum(-(-r // tile) for r in listed) * num_kv_heads
-        return int((-(-rows // tile)).sum()) * num_kv_heads
+            return sum(-(-r // tile) for r in listed)
+        return int((-(-rows // tile)).sum())
 
+    return tile_for_counts(
+        busiest,
+        tiles_at,
+        lambda: int(np.count_nonzero(seq_lens)),
+        num_kv_heads,
+        device,
+        longest_kv_len=longest_kv_len,
+    )
+
+
+def tile_for_counts(
+    max_rows: int,
+    tiles_at: Callable[[int], int],
+    busy_requests: Callable[[], int],
+    num_kv_heads: int,
+    device=None,
+    *,
+    longest_kv_len: Callable[[], int],
+) -> tuple[int, str]:
+    """The policy's rule on what it reads of a batch, each count asked only when the rule needs it: ``max_rows``
+    (packed rows of the request with the most), ``tiles_at(tile)`` (the batch's tiles at ``tile``, one of
+    ``SUPPORTED_CTA_TILE_Q``), ``busy_requests()`` (requests with new rows), ``longest_kv_len()``. The plan's
+    compiled pass hands the counts it computed; :func:`tile_for_batch` computes them from arrays."""
+    capability, sm_count = device_traits(device)
+    arch = f"sm_{capability[0]}{capability[1]}"
+    if max_rows <= SPLIT_ROWS:
+        return 16, f"policy {arch}: at most {max_rows} packed rows per request (decode)"
     prefix = ""
-    if busiest <= SHORT_ROWS:
+    if max_rows <= SHORT_ROWS:
         keys = longest_kv_len()
-        if busiest <= 16 or busiest * keys <= SHORT_WORK:
-            why = "per request (decode)" if busiest <= 16 else f"x {keys} keys per request (short)"
-            splits = min(SPLIT_KV_MAX_SPLITS, SPLIT_KV_UNITS_PER_SM * sm_count // grid(SPLIT_KV_TILE))
-            busy_requests = int(np.count_nonzero(seq_lens))  # requests with new rows
-            if splits < 2 or keys < SPLIT_MIN_KEYS or busy_requests * num_kv_heads < MIN_PREFILL_GRID:
-                return 16, f"policy {arch}: at most {busiest} packed rows {why}"
-            prefix = f"{min(busiest, 16)}-row tiles at 16 would split {splits} ways; "
+        if max_rows <= 16 or max_rows * keys <= SHORT_WORK:
+            why = "per request (decode)" if max_rows <= 16 else f"x {keys} keys per request (short)"
+            grid = tiles_at(SPLIT_KV_TILE) * num_kv_heads  # CTAs at tile 16
+            splits = min(SPLIT_KV_MAX_SPLITS, SPLIT_KV_UNITS_PER_SM * sm_count // grid)
+            if splits < 2 or keys < SPLIT_MIN_KEYS or busy_requests() * num_kv_heads < MIN_PREFILL_GRID:
+                return 16, f"policy {arch}: at most {max_rows} packed rows {why}"
+            prefix = f"{min(max_rows, 16)}-row tiles at 16 would split {splits} ways; "
     if capability != (9, 0):
         return 64, f"policy {arch}: {prefix}mma.sync kernel"
-    waves = {t: -(-grid(t) // sm_count) for t in (64, 128)}  # grid over the SMs, rounded up
+    waves = {t: -(-tiles_at(t) * num_kv_heads // sm_count) for t in (64, 128)}  # grid over the SMs, rounded up
     cost64, cost128 = waves[64] * 64 * TILE64_ROW_COST, waves[128] * 128
     tile = 128 if cost128 <= cost64 else 64
     return tile, (

@@ -44,21 +44,6 @@ def host_us_per_call(calls: dict, n: int = 200, rounds: int = 9) -> dict:
     return {name: statistics.median(times) for name, times in per_call.items()}
 
 
-def host_ms(fns: dict, reps: int = 40) -> dict:
-    """Median host ms of each of ``fns`` (name -> callable), the device idle before each call and the callables
-    interleaved round by round."""
-    for fn in fns.values():
-        fn()
-    times = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def measure(name: str, device: torch.device, flashinfer: tuple[str, ...], plan_only: bool = False) -> dict:
     """One workload's row: host µs per call of each wrapper and FlashInfer's run, plan-build ms of each
     (``plan_only``: the plan builds alone)."""
@@ -135,7 +120,7 @@ def plan_costs(w, inp, device, flashinfer: tuple[str, ...]) -> dict:
             )
         except Exception as exc:  # a peer that fails is reported, not dropped
             row[f"flashinfer_{backend}_error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
-    row.update(host_ms(fns))
+    row.update(bench.interleaved_host_ms(fns))
     return row
 
 

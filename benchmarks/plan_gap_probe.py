@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 
-import host_cost  # benchmarks/host_cost.py, beside this script
 import plan_profile
 import torch
 
@@ -75,7 +74,7 @@ def main() -> None:
             timed["fa2 plan, host indptrs"] = lambda: bench._flashinfer_plan(wrapper, host_indptr, w)
         except ImportError as exc:
             print(f"FlashInfer not timed: {exc}")
-    for name, ms in host_cost.host_ms(timed, args.reps).items():
+    for name, ms in bench.interleaved_host_ms(timed, args.reps).items():
         print(f"{name:32} {1e3 * ms:8.1f} µs")
     profiler = cProfile.Profile()
     calls = 1000

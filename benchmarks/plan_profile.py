@@ -19,7 +19,6 @@ import statistics
 import time
 from pathlib import Path
 
-import host_cost  # benchmarks/host_cost.py, beside this script
 import numpy as np
 import torch
 
@@ -197,7 +196,7 @@ def _form_row(text: str, device: torch.device, reps: int, gen: torch.Generator, 
         timed["fa2 plan cuda"] = lambda: bench._flashinfer_plan(wrapper, cuda, w)
         timed["fa2 plan host indptr"] = lambda: bench._flashinfer_plan(wrapper, host_indptr, w)
     row: dict = {"shape": w.name, "page ids": batch * (-(-(cached + new) // page))}
-    row.update(host_cost.host_ms(timed, reps))  # interleaved round by round, the device idle before each call
+    row.update(bench.interleaved_host_ms(timed, reps))  # interleaved round by round, the device idle before each call
     return row
 
 

@@ -279,6 +279,21 @@ def test_interleaved_e2e_takes_turns_and_keeps_each_systems_median():
     assert bench.interleaved_e2e_ms({}, iters=2, rounds=3) == {}
 
 
+def test_interleaved_host_ms_varies_who_runs_before_whom():
+    """Every callable runs ``reps`` times (after one warm-up each), in a new order each round, so each one follows
+    every other one in some round: none always runs right after the same system."""
+    order = []
+    fns = {name: (lambda name=name: order.append(name)) for name in "abcd"}
+    got = bench.interleaved_host_ms(fns, reps=40, synchronize=lambda: None)
+    assert sorted(got) == list("abcd") and all(ms >= 0 for ms in got.values())
+    assert order[:4] == list("abcd") and all(order.count(n) == 41 for n in "abcd")
+    timed = order[4:]
+    rounds = [tuple(timed[i : i + 4]) for i in range(0, len(timed), 4)]
+    assert all(sorted(r) == list("abcd") for r in rounds) and len(set(rounds)) > 4
+    followed = {(x, y) for r in rounds for x, y in zip(r, r[1:])}
+    assert followed == {(x, y) for x in "abcd" for y in "abcd" if x != y}
+
+
 # -- names ---------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "name, slug",

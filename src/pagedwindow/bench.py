@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import random
 import re
 import statistics
 import time
@@ -399,6 +400,25 @@ def host_ms(fn, reps: int, synchronize=torch.cuda.synchronize) -> float:
         times.append((time.perf_counter() - t0) * 1e3)
     synchronize()
     return statistics.median(times)
+
+
+def interleaved_host_ms(fns: dict, reps: int = 40, synchronize=torch.cuda.synchronize) -> dict[str, float]:
+    """:func:`host_ms` of each of ``fns`` (name -> callable), the callables interleaved: ``reps`` rounds, each in a
+    new seeded random order. A callable that runs right after another system's call pays for the caches that
+    call left; a fixed order would charge that to the same callable every round."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    order, shuffle = list(fns), random.Random(0).shuffle
+    for _ in range(reps):
+        shuffle(order)
+        for name in order:
+            synchronize()
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    synchronize()
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 NO_PLAN = {

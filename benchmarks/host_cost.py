@@ -90,8 +90,8 @@ def call_costs(w, inp, device, flashinfer: tuple[str, ...]) -> dict:
 
 
 def plan_costs(w, inp, device, flashinfer: tuple[str, ...]) -> dict:
-    """Host ms of building the plan, every form measured interleaved round by round: from_csr (a new plan),
-    update_csr (CPU and CUDA inputs), the per-request list form, FlashInfer's plan (CUDA arrays, and host
+    """Host ms of building the plan, every form interleaved (each round in a new random order): from_csr (a new
+    plan), update_csr (CPU and CUDA inputs), the per-request list form, FlashInfer's plan (CUDA arrays, and host
     indptrs)."""
     kwargs = bench.plan_kwargs(w)
     plan = inp.plan

@@ -1,6 +1,6 @@
 """Where a new plan's extra host time goes (``from_csr`` against ``update_csr`` of the same CUDA CSR tensors),
 piece by piece, timed as ``plan_profile.py --forms`` times (the device idle before each call, the pieces
-interleaved round by round), then cProfile of ``from_csr`` under the same conditions.
+interleaved, each round in a new random order), then cProfile of ``from_csr`` under the same conditions.
 
 ``--host-csr``: the same from CPU CSR tensors (the host's compiled pass), with FlashInfer fa2's ``plan`` of host
 indptrs beside it where FlashInfer imports.

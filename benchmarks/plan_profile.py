@@ -6,8 +6,9 @@ cProfile over N back-to-back ``from_csr(..., device="cuda")`` calls, or ``update
 decode_64x4096, 2000 calls, ``from_csr``) and prints the top functions by own time and by cumulative time, in µs
 per call. ``--forms [--shapes "B,N,C,P;..." | sweep]`` times planning
 by the form of the CSR arrays: pagedwindow's ``from_csr`` / ``update_csr`` of CUDA and of CPU tensors, and
-FlashInfer fa2's ``plan`` (CUDA arrays; host indptrs) when flashinfer imports, every form interleaved round by
-round; a shape is B requests of N new tokens on C cached keys with page size P, page ids shuffled."""
+FlashInfer fa2's ``plan`` (CUDA arrays; host indptrs) when flashinfer imports, every form interleaved, each
+round in a new random order; a shape is B requests of N new tokens on C cached keys with page size P, page ids
+shuffled."""
 
 from __future__ import annotations
 
@@ -168,8 +169,8 @@ def _without_device_pass(fn):
 
 
 def _form_row(text: str, device: torch.device, reps: int, gen: torch.Generator, wrapper) -> dict:
-    """One shape's median host ms in every form, the forms interleaved round by round (``wrapper``: a warm fa2
-    wrapper, or None without FlashInfer)."""
+    """One shape's median host ms in every form, the forms interleaved, a new random order each round
+    (``wrapper``: a warm fa2 wrapper, or None without FlashInfer)."""
     batch, new, cached, page = map(int, text.split(","))
     w = bench.Workload(f"b{batch}_n{new}_c{cached}_p{page}", (new,) * batch, (cached,) * batch, page_size=page)
     host = _shape_csr(batch, new, cached, page, gen)
@@ -196,14 +197,14 @@ def _form_row(text: str, device: torch.device, reps: int, gen: torch.Generator, 
         timed["fa2 plan cuda"] = lambda: bench._flashinfer_plan(wrapper, cuda, w)
         timed["fa2 plan host indptr"] = lambda: bench._flashinfer_plan(wrapper, host_indptr, w)
     row: dict = {"shape": w.name, "page ids": batch * (-(-(cached + new) // page))}
-    row.update(bench.interleaved_host_ms(timed, reps))  # interleaved round by round, the device idle before each call
+    row.update(bench.interleaved_host_ms(timed, reps))  # a new random order each round, the device idle before each
     return row
 
 
 def forms(shapes: str, device: torch.device, reps: int, json_path: str | None = None) -> list[dict]:
-    """Median host ms of planning each shape in every form, the forms interleaved round by round; the rows also
-    go to ``json_path`` when given, with how many shapes each pagedwindow form is at or below fa2's CUDA-array
-    ``plan``."""
+    """Median host ms of planning each shape in every form, the forms interleaved (a new random order each round);
+    the rows also go to ``json_path`` when given, with how many shapes each pagedwindow form is at or below fa2's
+    CUDA-array ``plan``."""
     try:
         import flashinfer  # noqa: F401
 

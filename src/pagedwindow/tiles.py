@@ -106,12 +106,11 @@ def tile_for_batch(
     :func:`tile_for_counts` with the counts taken from ``seq_lens``."""
     listed: list[int] | None = [s * group for s in seq_lens.tolist()] if len(seq_lens) <= _SMALL_BATCH else None
     busiest = max(listed) if listed is not None else int(seq_lens.max()) * group  # packed rows, largest request
-    rows = None if listed is not None else seq_lens.astype(np.int64) * group  # [batch] packed rows per request
 
     def tiles_at(tile: int) -> int:  # tiles at this tile; a request with no new rows has none
-        if rows is None:
-            assert listed is not None
+        if listed is not None:
             return sum(-(-r // tile) for r in listed)
+        rows = seq_lens.astype(np.int64) * group  # [batch] packed rows per request
         return int((-(-rows // tile)).sum())
 
     return tile_for_counts(

@@ -24,15 +24,17 @@ WORKLOADS = ("prompts_32x128", "chunk_512_on_30000", "decode_64x4096", "decode_2
 
 def host_us_per_call(calls: dict, n: int = 200, rounds: int = 9) -> dict:
     """Host wall-clock µs per call of each of ``calls`` (name -> callable): ``n`` calls enqueued behind a device
-    sleep, the systems interleaved round by round (so host drift hits all alike); the median over ``rounds``."""
+    sleep, the systems interleaved, each round in a new order (``bench.shuffled_rounds``: host drift hits all
+    alike); the median over ``rounds``."""
     for call in calls.values():
         call()
     torch.cuda.synchronize()
     per_call = {name: [] for name in calls}
     gc.disable()
     try:
-        for _ in range(rounds):
-            for name, call in calls.items():
+        for order in bench.shuffled_rounds(calls, rounds):
+            for name in order:
+                call = calls[name]
                 torch.cuda._sleep(int(5e7))  # ~30 ms of GPU time: the calls below only enqueue
                 t0 = time.perf_counter()
                 for _ in range(n):

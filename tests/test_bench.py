@@ -260,7 +260,7 @@ def test_e2e_and_host_times_are_per_call_wall_clock():
     assert 2.0 <= bench.host_ms(call(0), 3, synchronize=lambda: None) < 50 and counts[0] == 7 + 4
 
 
-def test_interleaved_e2e_takes_turns_and_keeps_each_systems_median():
+def test_interleaved_e2e_takes_turns_in_a_new_order_each_round_and_keeps_each_systems_median():
     order = []
 
     def system(name, seconds):
@@ -274,8 +274,12 @@ def test_interleaved_e2e_takes_turns_and_keeps_each_systems_median():
         {"fast": system("fast", 0.001), "slow": system("slow", 0.004)}, iters=2, rounds=3, synchronize=lambda: None
     )
     assert sorted(e2e) == ["fast", "slow"] and 1.0 <= e2e["fast"] < e2e["slow"] < 50
-    # each round: one system's warm-up call and loop of 2, then the other's
-    assert order == (["fast"] * 3 + ["slow"] * 3) * 3
+    # each round: one system's warm-up call and loop of 2, then the other's, in the round's order
+    blocks = [order[i : i + 3] for i in range(0, len(order), 3)]
+    assert len(blocks) == 6 and all(len(set(b)) == 1 for b in blocks)
+    rounds = [(blocks[i][0], blocks[i + 1][0]) for i in range(0, 6, 2)]
+    assert all(sorted(r) == ["fast", "slow"] for r in rounds)
+    assert rounds == [tuple(r) for r in bench.shuffled_rounds(["fast", "slow"], 3)]  # seeded: the same orders
     assert bench.interleaved_e2e_ms({}, iters=2, rounds=3) == {}
 
 

@@ -377,46 +377,54 @@ def e2e_ms(calls: list, iters: int, loops: int, synchronize=torch.cuda.synchroni
     return statistics.median(per_call)
 
 
+def shuffled_rounds(names, rounds: int):
+    """``rounds`` orders of ``names``, each a new seeded random permutation: interleaved timings run one round in
+    each. A system timed right after another pays for the caches that one left; a fixed order would charge that to
+    the same system every round."""
+    order, shuffle = list(names), random.Random(0).shuffle
+    for _ in range(rounds):
+        shuffle(order)
+        yield order
+
+
 def interleaved_e2e_ms(
     calls: dict[str, list], iters: int, rounds: int, synchronize=torch.cuda.synchronize
 ) -> dict[str, float]:
     """:func:`e2e_ms` of each system (name -> its calls), the systems taking turns loop by loop for ``rounds``
-    rounds (host drift hits all alike); per system, the median over its loops."""
+    rounds, each round in a new order (:func:`shuffled_rounds`; host drift hits all alike); per system, the
+    median over its loops."""
     per_call: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, system_calls in calls.items():
-            per_call[name].append(e2e_ms(system_calls, iters, 1, synchronize))
+    for order in shuffled_rounds(calls, rounds):
+        for name in order:
+            per_call[name].append(e2e_ms(calls[name], iters, 1, synchronize))
     return {name: statistics.median(times) for name, times in per_call.items()}
+
+
+def _call_ms(fn, synchronize) -> float:
+    """Host wall-clock ms of one ``fn()``, the device idle before it."""
+    synchronize()
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
 
 
 def host_ms(fn, reps: int, synchronize=torch.cuda.synchronize) -> float:
     """Median host wall-clock ms of ``fn()`` (after a warm-up), the device idle before each call."""
     fn()
-    times = []
-    for _ in range(reps):
-        synchronize()
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
+    times = [_call_ms(fn, synchronize) for _ in range(reps)]
     synchronize()
     return statistics.median(times)
 
 
 def interleaved_host_ms(fns: dict, reps: int = 40, synchronize=torch.cuda.synchronize) -> dict[str, float]:
-    """:func:`host_ms` of each of ``fns`` (name -> callable), the callables interleaved: ``reps`` rounds, each in a
-    new seeded random order. A callable that runs right after another system's call pays for the caches that
-    call left; a fixed order would charge that to the same callable every round."""
+    """:func:`host_ms` of each of ``fns`` (name -> callable), the callables interleaved call by call for ``reps``
+    rounds, each round in a new order (:func:`shuffled_rounds`)."""
     for fn in fns.values():
         fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
-    order, shuffle = list(fns), random.Random(0).shuffle
-    for _ in range(reps):
-        shuffle(order)
+    for order in shuffled_rounds(fns, reps):
         for name in order:
-            synchronize()
-            t0 = time.perf_counter()
-            fns[name]()
-            times[name].append((time.perf_counter() - t0) * 1e3)
+            times[name].append(_call_ms(fns[name], synchronize))
     synchronize()
     return {name: statistics.median(t) for name, t in times.items()}
 

@@ -22,10 +22,11 @@ new K/V slots:
 Every system's q_out and the pool's whole layer (the new slots, and no stray write elsewhere) are checked against
 ``prepare_paged_qkv(backend="reference")`` (fp32 math, one rounding) before timing: per part (q, K, V),
 ``max |got - ref| <= PREP_TOLERANCE * max |ref|`` over that part's new rows. The three times are the attention
-bench's (``pagedwindow.bench``): ``e2e_ms`` back-to-back calls (the systems take turns loop by loop; the median
-of each one's loops), ``ms`` CUDA-event kernel time with the host queued ahead, ``plan_ms`` host planning.
-Bandwidth counts the minimum traffic (:func:`prep_bytes`); the HBM bandwidth is a large device-to-device copy
-measured in the same run. Results: ``<gpu>-<date>-prep[-label].json`` / ``.md`` / ``-bandwidth.png``.
+bench's (``pagedwindow.bench``): ``e2e_ms`` back-to-back calls (the systems take turns loop by loop, each round in
+a new order; the median of each one's loops), ``ms`` CUDA-event kernel time with the host queued ahead,
+``plan_ms`` host planning. Bandwidth counts the minimum traffic (:func:`prep_bytes`); the HBM bandwidth is a
+large device-to-device copy measured in the same run. Results: ``<gpu>-<date>-prep[-label].json`` / ``.md`` /
+``-bandwidth.png``.
 """
 
 from __future__ import annotations
@@ -571,7 +572,7 @@ def run_prep_bench(out="benchmarks/results", workloads=None, systems=None, quick
                 if calls is not None:
                     timed[system] = calls
             workload_records.append(record)
-        # end to end: the systems take turns loop by loop, so the host's drift hits all of them alike
+        # end to end: the systems take turns loop by loop (a new order each round), so drift hits all alike
         e2e = interleaved_e2e_ms(timed, reps, rounds)
         for record in workload_records:
             record["e2e_ms"] = e2e.get(record["system"])
@@ -696,7 +697,8 @@ def prep_markdown(result: dict) -> str:
         lines += ["", "Unfused steps timed alone (kernel ms): " + "; ".join(parts) + "."]
     lines += [
         "",
-        "e2e: back-to-back calls, wall clock, host not queued ahead, the systems taking turns loop by loop (median "
+        "e2e: back-to-back calls, wall clock, host not queued ahead, the systems taking turns loop by loop in a new "
+        "order each round (median "
         "of each one's loops); kernel: CUDA events, host queued ahead; plan: "
         "host time (pagedwindow `from_csr`; FlashInfer `get_seq_lens` + `get_batch_indices_positions` on CUDA "
         "CSR arrays; HF none). GB/s: the minimum traffic (q, k, v read, q_out, K, V written, the two weights) over "

@@ -10,12 +10,11 @@ import argparse
 import os
 
 import torch
+from host_cost import WORKLOADS  # benchmarks/host_cost.py, beside this script: its five workloads
 
 import pagedwindow as pw
 from pagedwindow import bench
 from pagedwindow.testing import random_pages
-
-WORKLOADS = ("prompts_32x128", "chunk_512_on_30000", "decode_64x4096", "decode_256x2000_p32", "prefill_8x2048")
 
 
 def forms(name: str, reps: int) -> dict:

@@ -22,13 +22,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from host_cost import WORKLOADS  # benchmarks/host_cost.py, beside this script: its five workloads
 
 import pagedwindow as pw
 from pagedwindow import bench, bench_sweep
 from pagedwindow import plan as plan_module
 from pagedwindow.cuda import host_pass, ops
-
-WORKLOADS = ("prompts_32x128", "chunk_512_on_30000", "decode_64x4096", "decode_256x2000_p32", "prefill_8x2048")
 
 
 def host_us(fn, reps: int = 200) -> float:

@@ -31,6 +31,7 @@
 #include <stdint.h>
 
 #include <atomic>
+#include <type_traits>
 
 #include "ptx_common.cuh"
 
@@ -151,6 +152,23 @@ __device__ __forceinline__ Chunk<T, E> partner_chunk(const Chunk<T, E>& mine) {
 #pragma unroll
   for (int w = 0; w < kWords; ++w) to[w] = __shfl_xor_sync(kFullMask, from[w], kPartnerLaneXor);
   return theirs;
+}
+
+// A chunk's elements in fp32. A bf16 is the top half of an fp32, so each 32-bit word of two bf16 gives its first
+// element by a shift and its second by a mask: one instruction per element.
+template <typename T, int E>
+__device__ __forceinline__ void to_floats(const Chunk<T, E>& c, float (&x)[E]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const uint32_t* const w = reinterpret_cast<const uint32_t*>(&c);
+#pragma unroll
+    for (int i = 0; i < E / 2; ++i) {
+      x[2 * i] = __uint_as_float(w[i] << 16);
+      x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < E; ++j) x[j] = Convert<T>::to_float(c.v[j]);
+  }
 }
 
 // The norm's factor w (gemma4) or 1 + w (gemma3) in fp32 at element i.
@@ -314,7 +332,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm<D>()) pw_prepare_q
     pw_ptx::cp_async_commit();
   }
 
-  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  // The warp index broadcast from lane 0, so that the compiler knows it is warp-uniform (the rows' branches below
+  // then need no reconvergence).
+  const int warp = __shfl_sync(kFullMask, static_cast<int>(threadIdx.x / kWarpSize), 0);
+  const int lane = threadIdx.x % kWarpSize;
   const int c0 = lane * E;  // this lane's first element of a row
   const bool gemma4 = p.norm_style == kGemma4;
   Factors f{};  // thread i < D/2's factors, for every unit's table
@@ -354,7 +375,8 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm<D>()) pw_prepare_q
 
     if (cur.valid()) {
       const int rows = min(kRowsPerUnit, r.count() - cur.row0);
-      const T* const stage = stages + (n % kStages) * (kStageBytes / sizeof(T));
+      // This lane's chunk of the warp's first row in the unit's stage; row warp + b * kWarps is b * kWarps * D on.
+      const T* const warp_rows = stages + (n % kStages) * (kStageBytes / sizeof(T)) + warp * D + c0;
       const float* const unit_table = table + (n & 1) * kTable;
       // This warp's rows w, w + 8, ... in three passes over all of them (loads and squares, the butterfly sums,
       // then norm, RoPE and store), so the rows' shuffles and loads overlap.
@@ -365,12 +387,10 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm<D>()) pw_prepare_q
         const int lr = warp + b * kWarps;  // warp-uniform
         sum_sq[b] = 0.0f;
         if (lr < rows) {
-          const Row raw = *reinterpret_cast<const Row*>(stage + lr * D + c0);
+          float x[E];
+          to_floats<T, E>(*reinterpret_cast<const Row*>(warp_rows + b * kWarps * D), x);
 #pragma unroll
-          for (int j = 0; j < E; ++j) {
-            const float x = Convert<T>::to_float(raw.v[j]);
-            sum_sq[b] += x * x;
-          }
+          for (int j = 0; j < E; ++j) sum_sq[b] += x[j] * x[j];
         }
       }
 #pragma unroll
@@ -390,25 +410,25 @@ __global__ void __launch_bounds__(kThreads, min_blocks_per_sm<D>()) pw_prepare_q
         Row* const dst = reinterpret_cast<Row*>(is_q   ? q_out + h * D
                                                 : is_v ? v_slot + (h - r.hq - r.hkv) * D
                                                        : k_slot + (h - r.hq) * D);
-        const Row raw = *reinterpret_cast<const Row*>(stage + lr * D + c0);
+        const Row raw = *reinterpret_cast<const Row*>(warp_rows + b * kWarps * D);
         if (is_v && !gemma4) {  // gemma3: V is written as given
           *dst = raw;
           continue;
         }
         const float inv_rms = rsqrtf(sum_sq[b] / static_cast<float>(D) + p.eps);
         Row y;
+        float x[E];
+        to_floats<T, E>(raw, x);
         if (is_v) {
 #pragma unroll
-          for (int j = 0; j < E; ++j) y.v[j] = Convert<T>::from_float(Convert<T>::to_float(raw.v[j]) * inv_rms);
+          for (int j = 0; j < E; ++j) y.v[j] = Convert<T>::from_float(x[j] * inv_rms);
         } else {  // warp-uniform branch: every lane of the warp shuffles with its partner
-          const Row partner = partner_chunk<T, E>(raw);
+          float xp[E];
+          to_floats<T, E>(partner_chunk<T, E>(raw), xp);
           const float* const rot_a = unit_table + (is_q ? 0 : 2 * D) + c0;  // A, then B D floats later
           const float* const rot_b = rot_a + D;
 #pragma unroll
-          for (int j = 0; j < E; ++j) {
-            const float x = Convert<T>::to_float(raw.v[j]), xp = Convert<T>::to_float(partner.v[j]);
-            y.v[j] = Convert<T>::from_float((x * rot_a[j] + xp * rot_b[j]) * inv_rms);
-          }
+          for (int j = 0; j < E; ++j) y.v[j] = Convert<T>::from_float((x[j] * rot_a[j] + xp[j] * rot_b[j]) * inv_rms);
         }
         *dst = y;
       }

@@ -495,6 +495,24 @@ def test_buffer_segment_order():
     assert views.page_indices[:3].tolist() == [3, 1, 0] and views.scalars.tolist() == [2, 7, 2]
 
 
+def test_segment_offsets_trace_under_torch_compile_without_a_cache_warning():
+    """The offsets' host cache is not what a traced graph computes: dynamo sees the plain sums and says nothing."""
+    import warnings
+
+    from pagedwindow.plan import PlanCapacity
+
+    cap = PlanCapacity(max_total_tokens=5, max_total_pages=6, max_batch=3, max_tiles=5)
+
+    def offset_of_pages(x):
+        return x + cap.segment_offsets()[6]
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = torch.compile(offset_of_pages, backend="eager", fullgraph=True)(torch.zeros(1))
+    assert got.item() == 24
+    assert not [w for w in caught if "lru_cache" in str(w.message)], [str(w.message) for w in caught]
+
+
 def test_property_copies_do_not_change_the_plan():
     plan = pw.PrefillPagedPlan.preallocated(
         max_total_tokens=16, max_total_pages=6, max_batch=3, max_tiles=5, cta_tile_q=16

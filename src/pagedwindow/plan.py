@@ -120,6 +120,8 @@ class PlanCapacity:
 
     def segment_offsets(self) -> tuple[int, ...]:
         """First entry of each :class:`PlanArrays` segment, in buffer order."""
+        if torch.compiler.is_compiling():  # traced code computes the sums (dynamo warns on a cache wrapper)
+            return _segment_offsets.__wrapped__(self)
         return _segment_offsets(self)
 
     @property

@@ -1,7 +1,7 @@
 """Kernel time of pagedwindow built two or more ways (nvcc flags), the builds taking turns round by round.
 
-``python3 benchmarks/variant_ab.py --variant base:-DPW_SM90_K_STAGES=2 --variant new: [--workloads ...]
-[--rounds 3] [--cta-tile-q 128] [--json out.json]``
+``python3 benchmarks/variant_ab.py --variant base: --variant new:-DNAME=VALUE [--workloads ...] [--rounds 3]
+[--cta-tile-q 128] [--json out.json]``
 
 Each variant is ``label:flags`` (``$PAGEDWINDOW_NVCC_FLAGS`` of its build; empty: the default build). Every
 round runs each variant once, in a fresh process (one library per process), in a shuffled order; a process

@@ -2,6 +2,7 @@
 
 import json
 import re
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 import pagedwindow as pw
 from pagedwindow import tiles
-from pagedwindow.plan import SUPPORTED_CTA_TILE_Q, PlanArrays
+from pagedwindow.plan import SUPPORTED_CTA_TILE_Q, PlanArrays, PlanCapacity
 
 from . import host_pass
 
@@ -497,10 +498,6 @@ def test_buffer_segment_order():
 
 def test_segment_offsets_trace_under_torch_compile_without_a_cache_warning():
     """The offsets' host cache is not what a traced graph computes: dynamo sees the plain sums and says nothing."""
-    import warnings
-
-    from pagedwindow.plan import PlanCapacity
-
     cap = PlanCapacity(max_total_tokens=5, max_total_pages=6, max_batch=3, max_tiles=5)
 
     def offset_of_pages(x):

@@ -331,7 +331,7 @@ def test_prep_results_json_markdown_and_plot(tmp_path):
 
 def test_newest_results_never_picks_a_prep_file(tmp_path):
     attention = tmp_path / "h200-2026-12-03.json"
-    attention.write_text("{}")
+    attention.write_text(json.dumps({"gpu": "H200", "records": []}))
     bp.write_prep_results(_result(), tmp_path)
     (tmp_path / "h200-2026-12-05-prep-x.json").write_text("{}")
     assert bench_results.newest_results(tmp_path) == attention
@@ -341,12 +341,16 @@ def test_newest_results_never_picks_a_prep_file(tmp_path):
 
 
 def test_newest_results_never_picks_a_tool_table(tmp_path):
-    """host_cost.py / plan_profile.py write ``{"gpu", "rows"}`` tables under the results' naming: never picked."""
+    """host_cost.py / plan_profile.py write ``{"gpu", "rows"}`` tables and variant_ab.py its rounds under the
+    results' naming: none is attention results (no ``"records"``), none is picked."""
     attention = tmp_path / "h200-2026-12-03.json"
     attention.write_text(json.dumps({"gpu": "H200", "peak_bf16_tflops": 900.0, "records": []}))
     (tmp_path / "h200-2026-12-05-host-cost.json").write_text(json.dumps({"gpu": "H200", "rows": []}))
     (tmp_path / "h200-2026-12-04-plan-forms.json").write_text(json.dumps({"gpu": "H200", "rows": [], "reps": 3}))
+    variants = {"variants": {"a": "", "b": "-DX=1"}, "cta_tile_q": None, "rounds": {"a": [], "b": []}}
+    (tmp_path / "h200-2026-12-05-kstages-ab.json").write_text(json.dumps(variants))
     assert bench_results.newest_results(tmp_path) == attention
+    assert bench_results.is_tool_table(tmp_path / "h200-2026-12-05-kstages-ab.json")
     assert bench_results.is_tool_table(tmp_path / "h200-2026-12-05-host-cost.json")
     assert not bench_results.is_tool_table(attention)
     broken = tmp_path / "h200-2026-12-06.json"

@@ -10,8 +10,8 @@ are auxiliary metrics (e.g. ``{"metric": "allocations_per_10_calls", "value": 0}
 
 The prep suite (``pagedwindow bench --prep``) writes ``<gpu>-<date>-prep[-label].json`` with ``"suite": "prep"``,
 the HBM copy bandwidth of the same run (``hbm_gbs``) in place of a GEMM rate, and its own ratios and bars
-(:func:`prep_ratios`, :func:`prep_bars`); :func:`newest_results` never picks such a file, nor a table of the
-host-cost and planning tools (``{"gpu": str, "rows": [...]}``).
+(:func:`prep_ratios`, :func:`prep_bars`); :func:`newest_results` never picks such a file, nor a measuring tool's
+table (a JSON object without ``"records"``: host cost, planning, kernel variants).
 """
 
 from __future__ import annotations
@@ -49,14 +49,14 @@ def is_prep_results(name: str) -> bool:
 
 
 def is_tool_table(path: Path) -> bool:
-    """Whether a ``<gpu>-<date>-label.json`` is a table of the host-cost and planning tools
-    (``benchmarks/host_cost.py``, ``benchmarks/plan_profile.py``: an object with ``"rows"`` and no
-    ``"records"``), not attention results. A file that cannot be read as JSON is not one (the reader reports it)."""
+    """Whether a ``<gpu>-<date>-label.json`` is a table of a measuring tool, not attention results: a JSON object
+    without ``"records"`` (``benchmarks/host_cost.py`` and ``plan_profile.py`` write ``{"gpu", "rows"}``,
+    ``variant_ab.py`` its rounds). A file that cannot be read as JSON is not one (the reader reports it)."""
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return False
-    return isinstance(data, dict) and "rows" in data and "records" not in data
+    return isinstance(data, dict) and "records" not in data
 
 
 def newest_results(results_dir) -> Path | None:

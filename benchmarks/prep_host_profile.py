@@ -1,14 +1,13 @@
 """Where one ``prepare_paged_qkv`` call's host time goes (the decode step, 64 requests x 1 token), piece by piece.
 
-Usage on a GPU machine: ``python3 benchmarks/prep_host_profile.py``; prints a table (µs per call, medians of
-back-to-back calls enqueued behind a device sleep, no synchronisation inside the timed loop)."""
+Usage on a GPU machine: ``python3 benchmarks/prep_host_profile.py``; prints a table (µs per call, timed as
+``host_cost.py`` times a call: back-to-back calls enqueued behind a device sleep, the pieces interleaved, each
+round in a new order)."""
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
+from host_cost import host_us_per_call  # benchmarks/host_cost.py, beside this script
 
 import pagedwindow as pw
 from pagedwindow import api, bench_prep
@@ -17,23 +16,6 @@ from pagedwindow.cuda import ops
 from pagedwindow.gemma_prep import check_prep_scalars, check_rope
 
 WHAT = "prepare_paged_qkv"
-
-
-def per_call_us(fn, calls: int = 200, rounds: int = 15) -> float:
-    """Median over ``rounds`` of the mean host time of ``calls`` back-to-back calls, each round enqueued behind a
-    device sleep (so pieces that launch measure the host's cost, not the GPU's)."""
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    means = []
-    for _ in range(rounds):
-        torch.cuda._sleep(int(5e7))  # ~30 ms of GPU time: the calls below only enqueue
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        means.append((time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return statistics.median(means)
 
 
 def main() -> None:
@@ -100,8 +82,8 @@ def main() -> None:
     lib = ops.library(q.device)
     pieces["launcher alone (ctypes call)"] = lambda: ops._launch_on(q.device, lib.pw_prepare_qkv, block)
     print("| piece | µs per call |\n|---|---|")
-    for name, fn in pieces.items():
-        print(f"| {name} | {per_call_us(fn):.2f} |")
+    for name, us in host_us_per_call(pieces, n=200, rounds=15).items():
+        print(f"| {name} | {us:.2f} |")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def child(workloads: list[str], tile: int | None) -> None:
             call()
         torch.cuda.synchronize()
         err = (made[0][1]().float() - want.float()).abs().max().item()
-        bound = 1e-2 * want.float().abs().max().item()
+        bound = bench.OUTPUT_TOLERANCE * want.float().abs().max().item()
         if not err <= bound:
             raise SystemExit(f"{name}: max |out - ref| {err:.3e} over the bound {bound:.3e}")
         times[name] = bench.median_ms([call for call, _ in made], 200)

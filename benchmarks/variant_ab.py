@@ -1,13 +1,16 @@
-"""Kernel time of pagedwindow built two or more ways (nvcc flags), the builds taking turns round by round.
+"""Kernel time of pagedwindow built two or more ways (nvcc flags, or another source tree), the builds taking turns
+round by round.
 
-``python3 benchmarks/variant_ab.py --variant base: --variant new:-DNAME=VALUE [--workloads ...] [--rounds 3]
-[--cta-tile-q 128] [--json out.json]``
+``python3 benchmarks/variant_ab.py --variant base: --variant new:-DNAME=VALUE [--src base=prior/src] [--prep]
+[--workloads ...] [--rounds 3] [--cta-tile-q 128] [--json out.json]``
 
-Each variant is ``label:flags`` (``$PAGEDWINDOW_NVCC_FLAGS`` of its build; empty: the default build). Every
-round runs each variant once, in a fresh process (one library per process), in a shuffled order; a process
-checks each workload's output against the reference, then times it with ``bench.median_ms`` (host queued
-ahead) at the plan's default tile or the given one. The table gives each variant's median over the rounds and
-its ratio to the first variant's (below 1: faster).
+Each variant is ``label:flags`` (``$PAGEDWINDOW_NVCC_FLAGS`` of its build; empty: the default build); ``--src
+label=DIR`` runs that variant from another copy of the package (e.g. a prior commit's ``src`` unpacked beside
+this tree, whose ``kernels`` sit beside it). Every round runs each variant once, in a fresh process (one library
+per process), in a shuffled order; a process checks each workload's output against the reference, then times it
+with ``bench.median_ms`` (host queued ahead): the attention workloads at the plan's default tile or the given
+one, or with ``--prep`` the prep workloads (``prepare_paged_qkv``, checked as ``bench --prep`` checks it). The
+table gives each variant's median over the rounds and its ratio to the first variant's (below 1: faster).
 """
 
 import argparse
@@ -18,10 +21,71 @@ import subprocess
 import sys
 
 DEFAULT_WORKLOADS = ("prefill_1x8192", "prefill_8x2048", "chunk_2048_on_6144", "prompts_32x128", "chunk_512_on_30000")
+DEFAULT_PREP_WORKLOADS = ("prep_8192", "prep_512_on_30000", "prep_decode_64x1")
+
+
+def parse_variants(specs: list[str], sources: list[str]) -> dict[str, dict]:
+    """``label:flags`` specs and ``label=DIR`` sources -> ``{label: {"flags": ..., "src": DIR or None}}`` in the
+    specs' order. Raises ValueError for a spec without ``:``, an empty or repeated label, a source naming no
+    variant or given twice, or fewer than two variants."""
+    variants: dict[str, dict] = {}
+    for spec in specs:
+        label, sep, flags = spec.partition(":")
+        if not sep or not label:
+            raise ValueError(f"variant {spec!r} is not label:flags")
+        if label in variants:
+            raise ValueError(f"variant {label!r} is given twice")
+        variants[label] = {"flags": flags, "src": None}
+    if len(variants) < 2:
+        raise ValueError(f"give two or more variants, got {len(variants)}")
+    for source in sources:
+        label, sep, path = source.partition("=")
+        if not sep or not path:
+            raise ValueError(f"source {source!r} is not label=DIR")
+        if label not in variants:
+            raise ValueError(f"source {source!r} names no variant (variants: {', '.join(variants)})")
+        if variants[label]["src"] is not None:
+            raise ValueError(f"variant {label!r} is given two sources")
+        variants[label]["src"] = path
+    return variants
+
+
+def variant_env(env: dict[str, str], variant: dict) -> dict[str, str]:
+    """The child process's environment: ``env`` with the variant's nvcc flags, and its package directory first on
+    ``PYTHONPATH`` when it has one."""
+    out = dict(env, PAGEDWINDOW_NVCC_FLAGS=variant["flags"])
+    if variant["src"] is not None:
+        path = os.path.abspath(variant["src"])
+        out["PYTHONPATH"] = path + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return out
+
+
+def prep_child(workloads: list[str]) -> None:
+    """One build's ``prepare_paged_qkv`` kernel ms per prep workload, as one JSON line on stdout."""
+    import torch
+
+    from pagedwindow import bench, bench_prep
+
+    device = torch.device("cuda")
+    times = {}
+    for name in workloads:
+        w = bench_prep.PREP_WORKLOADS[name]
+        gen = torch.Generator().manual_seed(0)
+        sets = [bench_prep.make_prep_inputs(w, gen, device) for _ in range(2)]
+        want = bench_prep.prep_reference(sets[0])
+        record = bench_prep.new_prep_record("pagedwindow", w)
+        first = bench_prep.check_prep_system(record, "pagedwindow", w, sets[0], want, "cuda")
+        if first is None:
+            raise SystemExit(f"{name}: {record['status']}")
+        calls = [first.call, bench_prep.system_pagedwindow(w, sets[1]).call]
+        times[name] = bench.median_ms(calls, 200)
+        del sets, want, first, calls
+        torch.cuda.empty_cache()
+    print(json.dumps(times))
 
 
 def child(workloads: list[str], tile: int | None) -> None:
-    """One build's kernel ms per workload, as one JSON line on stdout."""
+    """One build's kernel ms per attention workload, as one JSON line on stdout."""
     import torch
 
     from pagedwindow import bench
@@ -50,26 +114,35 @@ def child(workloads: list[str], tile: int | None) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", action="append", default=[], help="label:nvcc flags (repeat; two or more)")
-    parser.add_argument("--workloads", nargs="*", default=list(DEFAULT_WORKLOADS))
+    parser.add_argument("--src", action="append", default=[], help="label=DIR: that variant's package directory")
+    parser.add_argument("--prep", action="store_true", help="time prepare_paged_qkv on the prep workloads")
+    parser.add_argument("--workloads", nargs="*", default=None)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cta-tile-q", type=int, default=None)
     parser.add_argument("--json", help="write every round's times here")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    workloads = args.workloads or list(DEFAULT_PREP_WORKLOADS if args.prep else DEFAULT_WORKLOADS)
     if args.child:
-        child(args.workloads, args.cta_tile_q)
+        if args.prep:
+            prep_child(workloads)
+        else:
+            child(workloads, args.cta_tile_q)
         return
+    try:
+        variants = parse_variants(args.variant, args.src)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     from pagedwindow.bench import shuffled_rounds
 
-    variants = dict(v.split(":", 1) for v in args.variant)
     rounds: dict[str, list[dict]] = {label: [] for label in variants}
-    cmd = [sys.executable, __file__, "--child", "--workloads", *args.workloads]
+    cmd = [sys.executable, __file__, "--child", "--workloads", *workloads] + (["--prep"] if args.prep else [])
     if args.cta_tile_q:
         cmd += ["--cta-tile-q", str(args.cta_tile_q)]
     for order in shuffled_rounds(list(variants), args.rounds):
         for label in order:
-            env = dict(os.environ, PAGEDWINDOW_NVCC_FLAGS=variants[label])
+            env = variant_env(dict(os.environ), variants[label])
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise SystemExit(f"variant {label} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
@@ -77,7 +150,17 @@ def main() -> None:
             print(f"{label}: {rounds[label][-1]}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"variants": variants, "cta_tile_q": args.cta_tile_q, "rounds": rounds}, f, indent=1)
+            json.dump(
+                {
+                    "variants": {label: v["flags"] for label, v in variants.items()},
+                    "sources": {label: v["src"] for label, v in variants.items()},
+                    "prep": args.prep,
+                    "cta_tile_q": args.cta_tile_q,
+                    "rounds": rounds,
+                },
+                f,
+                indent=1,
+            )
     first = next(iter(variants))
     print(
         "\n| workload | "
@@ -87,7 +170,7 @@ def main() -> None:
         + " |"
     )
     print("|---|" + "---|" * (2 * len(variants) - 1))
-    for name in args.workloads:
+    for name in workloads:
         med = {v: statistics.median(r[name] for r in rounds[v]) for v in variants}
         ratios = [f"{med[v] / med[first]:.3f}" for v in list(variants)[1:]]
         print(f"| {name} | " + " | ".join(f"{med[v]:.4f}" for v in variants) + " | " + " | ".join(ratios) + " |")

@@ -1,0 +1,53 @@
+"""benchmarks/variant_ab.py's variant specs and the environment each variant's process gets (CPU only: the timed
+children need a GPU)."""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "variant_ab.py"
+_spec = importlib.util.spec_from_file_location("variant_ab", _SCRIPT)
+variant_ab = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(variant_ab)
+
+
+def test_variants_keep_their_order_flags_and_sources():
+    got = variant_ab.parse_variants(["v5:", "v7:", "v7s4:-DPW_PREPARE_STAGES=4 -DX=1"], ["v5=prior/src"])
+    assert list(got) == ["v5", "v7", "v7s4"]
+    assert got == {
+        "v5": {"flags": "", "src": "prior/src"},
+        "v7": {"flags": "", "src": None},
+        "v7s4": {"flags": "-DPW_PREPARE_STAGES=4 -DX=1", "src": None},
+    }
+    assert variant_ab.parse_variants(["a:-DY=a:b", "b:"], [])["a"]["flags"] == "-DY=a:b"  # first ':' splits
+
+
+@pytest.mark.parametrize(
+    ("specs", "sources", "message"),
+    [
+        (["a"], [], "'a' is not label:flags"),
+        ([":-DX"], [], "is not label:flags"),
+        (["a:", "a:-DX"], [], "'a' is given twice"),
+        (["a:"], [], "two or more variants, got 1"),
+        (["a:", "b:"], ["c=dir"], "names no variant"),
+        (["a:", "b:"], ["a"], "is not label=DIR"),
+        (["a:", "b:"], ["a="], "is not label=DIR"),
+        (["a:", "b:"], ["a=x", "a=y"], "'a' is given two sources"),
+    ],
+)
+def test_bad_variant_specs_are_refused(specs, sources, message):
+    with pytest.raises(ValueError, match=message):
+        variant_ab.parse_variants(specs, sources)
+
+
+def test_a_variant_process_gets_its_flags_and_its_package_first(tmp_path):
+    base = {"PYTHONPATH": "/other", "KEEP": "1", "PAGEDWINDOW_NVCC_FLAGS": "-DOLD"}
+    env = variant_ab.variant_env(base, {"flags": "-DNEW=1", "src": str(tmp_path)})
+    assert env["PAGEDWINDOW_NVCC_FLAGS"] == "-DNEW=1" and env["KEEP"] == "1"
+    assert env["PYTHONPATH"] == str(tmp_path) + os.pathsep + "/other"
+    assert base["PAGEDWINDOW_NVCC_FLAGS"] == "-DOLD"  # the caller's environment is not changed
+    alone = variant_ab.variant_env({}, {"flags": "", "src": "rel/src"})
+    assert alone["PYTHONPATH"] == os.path.abspath("rel/src") and alone["PAGEDWINDOW_NVCC_FLAGS"] == ""
+    assert "PYTHONPATH" not in variant_ab.variant_env({}, {"flags": "", "src": None})

@@ -1,0 +1,167 @@
+"""The Python host cost of a call on a machine without a GPU: the CUDA backend's path with the launcher stubbed.
+
+Each wrapper runs on CPU tensors as it would on a GPU: ``backend="cuda"`` resolves through the backend's own
+checks (``cuda.unsupported``, ``cuda.require``), the parameter block is filled per call, and the launcher is a C
+function that returns 0 (built here with the system C compiler). What it leaves out is the launch itself (the
+ctypes call's ``cudaLaunchKernel``, about 3-4 µs on the GPU machines' hosts) and the current-stream lookup. It
+measures what a change to the Python changes, before a GPU is lent; the GPU's host has the final word
+(``benchmarks/host_cost.py``, ``benchmarks/prep_host_profile.py``).
+
+Usage: ``python3 benchmarks/host_cost_cpu.py [--calls N] [--rounds R]``, with the source tree to measure first on
+``PYTHONPATH`` (e.g. a checkout of the previous commit, to compare); prints µs per call, the median of the rounds
+(the wrappers interleaved, each round in a new order).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import gc
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+import pagedwindow as pw
+from pagedwindow import api, bench, bench_prep
+from pagedwindow import cuda as cuda_backend
+from pagedwindow.cuda import ops
+from pagedwindow.plan import PrefillPagedPlan
+
+LAUNCHERS = ("pw_prefill_hd256_bf16", "pw_prefill_hd256_bf16_sm90", "pw_append_paged_kv", "pw_prepare_qkv")
+STUB_SOURCE = "".join(f"int {name}(const void* block, void* stream) {{ return 0; }}\n" for name in LAUNCHERS)
+GPU_DEVICE = torch.device("cuda", 0)
+DECODE_STEP = bench.Workload("decode_64x128", seq_lens=(1,) * 64, start_positions=(127,) * 64)
+"""The attention calls' batch: a decode step of 64 requests (the host path of ``decode_64x4096``, whose 1 GiB
+pool a CPU need not fill: the plan's tile and the call's checks are the same)."""
+
+
+def stub_library(directory: Path) -> ctypes.CDLL:
+    """The four launchers as C functions that launch nothing and return 0."""
+    source, library = directory / "stub.c", directory / "libstub.so"
+    source.write_text(STUB_SOURCE)
+    subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    lib = ctypes.CDLL(str(library))
+    for name in LAUNCHERS:
+        getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        getattr(lib, name).restype = ctypes.c_int
+    lib.prefill = lib.pw_prefill_hd256_bf16_sm90  # the launcher ops.library picks on Hopper
+    return lib
+
+
+@contextlib.contextmanager
+def cuda_backend_on_cpu_tensors(lib: ctypes.CDLL):
+    """Within the block ``backend="cuda"`` runs on CPU tensors: the backend's checks see a CUDA device, the kernels
+    count as loaded, the launchers are ``lib``'s stubs, the current device and stream are the CPU's (None, 0), and
+    a plan's buffer on the CPU is built once per plan, as its GPU mirror is (on the CPU it is otherwise a fresh
+    copy per call). Everything is put back on exit."""
+    resolve, device_buffer = api._resolve_backend, PrefillPagedPlan.device_buffer
+    load_state, libraries = dict(cuda_backend._load_state), dict(ops._by_device)
+    current_device, current_stream = ops._current_device, ops._current_raw_stream
+    buffers: dict[int, torch.Tensor] = {}
+
+    def resolve_as_on_a_gpu(what, backend, plan, device, *rest):
+        return resolve(what, backend, plan, GPU_DEVICE, *rest)
+
+    def mirrored_buffer(plan, device):
+        buffer = buffers.get(id(plan))
+        if buffer is None:
+            buffer = buffers[id(plan)] = device_buffer(plan, device)
+        return buffer
+
+    api._resolve_backend = resolve_as_on_a_gpu
+    PrefillPagedPlan.device_buffer = mirrored_buffer
+    cuda_backend._load_state["error"] = None
+    ops._by_device[None] = lib  # the CPU tensors' device index
+    ops._current_device = lambda: None
+    ops._current_raw_stream = lambda index: 0
+    try:
+        yield
+    finally:
+        api._resolve_backend, PrefillPagedPlan.device_buffer = resolve, device_buffer
+        cuda_backend._load_state.clear()
+        cuda_backend._load_state.update(load_state)
+        ops._by_device.clear()
+        ops._by_device.update(libraries)
+        ops._current_device, ops._current_raw_stream = current_device, current_stream
+
+
+def calls() -> dict:
+    """One call of each wrapper as a decode step makes it, on CPU tensors."""
+    cpu = torch.device("cpu")
+    prep_step = bench_prep.PREP_WORKLOADS["prep_decode_64x1"]
+    prep = bench_prep.make_prep_inputs(prep_step, torch.Generator().manual_seed(0), cpu)
+    prep_kwargs = dict(
+        q_norm_weight=prep.q_norm_weight,
+        k_norm_weight=prep.k_norm_weight,
+        eps=bench_prep.EPS,
+        rope_theta=bench_prep.ROPE_THETA,
+        norm_style=bench_prep.NORM_STYLE,
+        out_q=prep.out_q,
+        backend="cuda",
+    )
+    w = DECODE_STEP
+    attn = bench.make_inputs(w, torch.Generator().manual_seed(0), cpu)
+    new_k, new_v = torch.zeros(2, attn.plan.total_tokens, bench.HKV, bench.HEAD_DIM, dtype=attn.pool.dtype)
+    return {
+        "prepare_paged_qkv (64 x 1)": lambda: pw.prepare_paged_qkv(
+            prep.q, prep.k, prep.v, prep.pool, prep.layout, 0, prep.plan, **prep_kwargs
+        ),
+        "append_paged_kv (64 x 1)": lambda: pw.append_paged_kv(
+            new_k, new_v, attn.pool, attn.layout, 0, attn.plan, backend="cuda"
+        ),
+        "batch_prefill_paged_window (64 x 1 on 127)": lambda: pw.batch_prefill_paged_window(
+            attn.q,
+            attn.pool,
+            attn.layout,
+            0,
+            attn.plan,
+            sm_scale=bench.SM_SCALE,
+            window_left=w.window_left,
+            out=attn.out,
+            backend="cuda",
+        ),
+    }
+
+
+def us_per_call(named: dict, n: int, rounds: int) -> dict:
+    """µs per call of each callable: ``n`` calls back to back, the callables interleaved in a new order each round
+    (``bench.shuffled_rounds``), the median over ``rounds``; the garbage collector off while timing."""
+    for call in named.values():
+        call()
+    times: dict[str, list[float]] = {name: [] for name in named}
+    gc.disable()
+    try:
+        for order in bench.shuffled_rounds(named, rounds):
+            for name in order:
+                call = named[name]
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    call()
+                times[name].append((time.perf_counter() - t0) * 1e6 / n)
+    finally:
+        gc.enable()
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=2000, help="calls per round")
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args(argv)
+    named = calls()  # plans first: planning on the CPU may use the compiled host pass, which the stub replaces
+    with tempfile.TemporaryDirectory() as tmp, cuda_backend_on_cpu_tensors(stub_library(Path(tmp))):
+        result = us_per_call(named, args.calls, args.rounds)
+    print(f"pagedwindow from {Path(pw.__file__).parent}")
+    print("| call (launcher stubbed, CPU tensors) | µs per call |\n|---|---|")
+    for name, us in result.items():
+        print(f"| {name} | {us:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

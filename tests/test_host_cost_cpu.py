@@ -1,0 +1,45 @@
+"""benchmarks/host_cost_cpu.py: the CUDA backend's host path on CPU tensors with the launchers stubbed."""
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+import pagedwindow as pw
+from pagedwindow import api
+from pagedwindow.cuda import ops
+from pagedwindow.plan import PrefillPagedPlan
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import host_cost_cpu  # noqa: E402
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler for the stub launchers")
+
+
+def test_every_call_reaches_its_stub_launcher_and_everything_is_put_back(tmp_path):
+    named = host_cost_cpu.calls()
+    lib = host_cost_cpu.stub_library(tmp_path)
+    launched = []
+    before = (api._resolve_backend, PrefillPagedPlan.device_buffer, dict(ops._by_device), ops._current_device)
+    with host_cost_cpu.cuda_backend_on_cpu_tensors(lib):
+        for name in host_cost_cpu.LAUNCHERS:  # record which launcher each call reaches
+            stub = getattr(lib, name)
+            setattr(lib, name, lambda block, stream, stub=stub, name=name: launched.append(name) or stub(block, stream))
+        lib.prefill = lib.pw_prefill_hd256_bf16_sm90
+        for call in named.values():
+            call()
+        assert launched == ["pw_prepare_qkv", "pw_append_paged_kv", "pw_prefill_hd256_bf16_sm90"]
+        times = host_cost_cpu.us_per_call(named, n=3, rounds=2)
+    assert set(times) == set(named) and all(t > 0 for t in times.values())
+    after = (api._resolve_backend, PrefillPagedPlan.device_buffer, dict(ops._by_device), ops._current_device)
+    assert after == before
+    # outside the block the CPU tensors go back to their own rules: backend "cuda" is refused
+    with pytest.raises(pw.PagedWindowError, match="needs tensors on a CUDA device"):
+        next(iter(named.values()))()
+
+
+def test_main_prints_a_row_per_call(capsys):
+    assert host_cost_cpu.main(["--calls", "2", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"| {name} |" in out for name in host_cost_cpu.calls())

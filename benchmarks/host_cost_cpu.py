@@ -91,40 +91,18 @@ def cuda_backend_on_cpu_tensors(lib: ctypes.CDLL):
 
 
 def calls() -> dict:
-    """One call of each wrapper as a decode step makes it, on CPU tensors."""
+    """One call of each wrapper as a decode step makes it, on CPU tensors: the prep and attention calls are the
+    benches' own (``bench_prep.system_pagedwindow``, ``bench.system_pagedwindow``, ``backend="cuda"``)."""
     cpu = torch.device("cpu")
     prep_step = bench_prep.PREP_WORKLOADS["prep_decode_64x1"]
     prep = bench_prep.make_prep_inputs(prep_step, torch.Generator().manual_seed(0), cpu)
-    prep_kwargs = dict(
-        q_norm_weight=prep.q_norm_weight,
-        k_norm_weight=prep.k_norm_weight,
-        eps=bench_prep.EPS,
-        rope_theta=bench_prep.ROPE_THETA,
-        norm_style=bench_prep.NORM_STYLE,
-        out_q=prep.out_q,
-        backend="cuda",
-    )
-    w = DECODE_STEP
-    attn = bench.make_inputs(w, torch.Generator().manual_seed(0), cpu)
-    new_k, new_v = torch.zeros(2, attn.plan.total_tokens, bench.HKV, bench.HEAD_DIM, dtype=attn.pool.dtype)
+    attn = bench.make_inputs(DECODE_STEP, torch.Generator().manual_seed(0), cpu)
     return {
-        "prepare_paged_qkv (64 x 1)": lambda: pw.prepare_paged_qkv(
-            prep.q, prep.k, prep.v, prep.pool, prep.layout, 0, prep.plan, **prep_kwargs
-        ),
+        "prepare_paged_qkv (64 x 1)": bench_prep.system_pagedwindow(prep_step, prep).call,
         "append_paged_kv (64 x 1)": lambda: pw.append_paged_kv(
-            new_k, new_v, attn.pool, attn.layout, 0, attn.plan, backend="cuda"
+            prep.k, prep.v, prep.pool, prep.layout, 0, prep.plan, backend="cuda"
         ),
-        "batch_prefill_paged_window (64 x 1 on 127)": lambda: pw.batch_prefill_paged_window(
-            attn.q,
-            attn.pool,
-            attn.layout,
-            0,
-            attn.plan,
-            sm_scale=bench.SM_SCALE,
-            window_left=w.window_left,
-            out=attn.out,
-            backend="cuda",
-        ),
+        "batch_prefill_paged_window (64 x 1 on 127)": bench.system_pagedwindow(DECODE_STEP, attn)[0],
     }
 
 

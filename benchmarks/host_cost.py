@@ -22,25 +22,32 @@ from pagedwindow import bench
 WORKLOADS = ("prompts_32x128", "chunk_512_on_30000", "decode_64x4096", "decode_256x2000_p32", "prefill_8x2048")
 
 
-def host_us_per_call(calls: dict, n: int = 200, rounds: int = 9) -> dict:
+def _busy_gpu() -> None:
+    torch.cuda._sleep(int(5e7))  # ~30 ms of GPU time: the calls timed behind it only enqueue
+
+
+def host_us_per_call(
+    calls: dict, n: int = 200, rounds: int = 9, busy=_busy_gpu, synchronize=torch.cuda.synchronize
+) -> dict:
     """Host wall-clock µs per call of each of ``calls`` (name -> callable): ``n`` calls enqueued behind a device
-    sleep, the systems interleaved, each round in a new order (``bench.shuffled_rounds``: host drift hits all
-    alike); the median over ``rounds``."""
+    sleep (``busy``; ``synchronize`` after them), the systems interleaved, each round in a new order
+    (``bench.shuffled_rounds``: host drift hits all alike), the garbage collector off; the median over
+    ``rounds``. Without a GPU, pass no-ops for both."""
     for call in calls.values():
         call()
-    torch.cuda.synchronize()
+    synchronize()
     per_call = {name: [] for name in calls}
     gc.disable()
     try:
         for order in bench.shuffled_rounds(calls, rounds):
             for name in order:
                 call = calls[name]
-                torch.cuda._sleep(int(5e7))  # ~30 ms of GPU time: the calls below only enqueue
+                busy()
                 t0 = time.perf_counter()
                 for _ in range(n):
                     call()
                 per_call[name].append((time.perf_counter() - t0) * 1e6 / n)
-                torch.cuda.synchronize()
+                synchronize()
     finally:
         gc.enable()
     return {name: statistics.median(times) for name, times in per_call.items()}

@@ -17,14 +17,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import gc
-import statistics
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
 import torch
+from host_cost import host_us_per_call  # benchmarks/host_cost.py, beside this script
 
 import pagedwindow as pw
 from pagedwindow import api, bench, bench_prep
@@ -107,23 +105,12 @@ def calls() -> dict:
 
 
 def us_per_call(named: dict, n: int, rounds: int) -> dict:
-    """µs per call of each callable: ``n`` calls back to back, the callables interleaved in a new order each round
-    (``bench.shuffled_rounds``), the median over ``rounds``; the garbage collector off while timing."""
-    for call in named.values():
-        call()
-    times: dict[str, list[float]] = {name: [] for name in named}
-    gc.disable()
-    try:
-        for order in bench.shuffled_rounds(named, rounds):
-            for name in order:
-                call = named[name]
-                t0 = time.perf_counter()
-                for _ in range(n):
-                    call()
-                times[name].append((time.perf_counter() - t0) * 1e6 / n)
-    finally:
-        gc.enable()
-    return {name: statistics.median(t) for name, t in times.items()}
+    """µs per call of each callable, timed as ``host_cost.host_us_per_call`` times it, with no GPU to keep busy."""
+    return host_us_per_call(named, n, rounds, busy=_nothing, synchronize=_nothing)
+
+
+def _nothing() -> None:
+    pass
 
 
 def main(argv=None) -> int:

@@ -8,6 +8,7 @@ import pytest
 
 import pagedwindow as pw
 from pagedwindow import api
+from pagedwindow import cuda as cuda_backend
 from pagedwindow.cuda import ops
 from pagedwindow.plan import PrefillPagedPlan
 
@@ -17,11 +18,23 @@ import host_cost_cpu  # noqa: E402
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler for the stub launchers")
 
 
+def patched_state() -> tuple:
+    """Everything ``cuda_backend_on_cpu_tensors`` replaces."""
+    return (
+        api._resolve_backend,
+        PrefillPagedPlan.device_buffer,
+        dict(cuda_backend._load_state),
+        dict(ops._by_device),
+        ops._current_device,
+        ops._current_raw_stream,
+    )
+
+
 def test_every_call_reaches_its_stub_launcher_and_everything_is_put_back(tmp_path):
     named = host_cost_cpu.calls()
     lib = host_cost_cpu.stub_library(tmp_path)
     launched = []
-    before = (api._resolve_backend, PrefillPagedPlan.device_buffer, dict(ops._by_device), ops._current_device)
+    before = patched_state()
     with host_cost_cpu.cuda_backend_on_cpu_tensors(lib):
         for name in host_cost_cpu.LAUNCHERS:  # record which launcher each call reaches
             stub = getattr(lib, name)
@@ -32,8 +45,7 @@ def test_every_call_reaches_its_stub_launcher_and_everything_is_put_back(tmp_pat
         assert launched == ["pw_prepare_qkv", "pw_append_paged_kv", "pw_prefill_hd256_bf16_sm90"]
         times = host_cost_cpu.us_per_call(named, n=3, rounds=2)
     assert set(times) == set(named) and all(t > 0 for t in times.values())
-    after = (api._resolve_backend, PrefillPagedPlan.device_buffer, dict(ops._by_device), ops._current_device)
-    assert after == before
+    assert patched_state() == before
     # outside the block the CPU tensors go back to their own rules: backend "cuda" is refused
     with pytest.raises(pw.PagedWindowError, match="needs tensors on a CUDA device"):
         next(iter(named.values()))()

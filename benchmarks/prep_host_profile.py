@@ -33,8 +33,10 @@ def main() -> None:
     )
     state, geometry = api._plan_on_pool(WHAT, plan, inp.layout, pool, 0)
     rows, hq, hkv, d = state.total_tokens, state.num_qo_heads, state.num_kv_heads, state.head_dim
+    q_shape, kv_shape = (rows, hq, d), (rows, hkv, d)
     inputs = (("q", q), ("k", k), ("v", v), ("q_norm_weight", wq), ("k_norm_weight", wk))
     written = (("out_q", out_q), ("pool", pool))
+    spans, address_bits = api._memory_spans(False, *written, *inputs)
     pieces = {
         "whole call, backend='cuda'": lambda: pw.prepare_paged_qkv(
             q, k, v, pool, inp.layout, 0, plan, backend="cuda", **kwargs
@@ -46,8 +48,8 @@ def main() -> None:
         "plan on pool (geometry cached)": lambda: api._plan_on_pool(WHAT, plan, inp.layout, pool, 0),
         "rope bounds": lambda: check_rope(WHAT, d, 10000.0, 1.0, state.total_pages * state.page_size, compiling=False),
         "q, k, v, out_q rows": lambda: [
-            api._check_rows(WHAT, n, t, rows=rows, tail=(h, d), dtype=pool.dtype, device=pool.device)
-            for n, t, h in (("q", q, hq), ("k", k, hkv), ("v", v, hkv), ("out_q", out_q, hq))
+            api._check_rows(WHAT, n, t, shape=s, dtype=pool.dtype, device=pool.device)
+            for n, t, s in (("q", q, q_shape), ("k", k, kv_shape), ("v", v, kv_shape), ("out_q", out_q, q_shape))
         ],
         "two norm weights": lambda: [
             api._check_norm_weight(WHAT, n, t, head_dim=d, dtype=pool.dtype, device=pool.device)
@@ -57,9 +59,9 @@ def main() -> None:
             api._check_writable(WHAT, "o", out_q, False),
             api._check_writable(WHAT, "p", pool, False),
         ),
-        "spans and overlaps": lambda: api._check_disjoint(WHAT, api._memory_spans(False, *written, *inputs), 2),
+        "spans and overlaps": lambda: api._check_disjoint(WHAT, api._memory_spans(False, *written, *inputs)[0], 2),
         "resolve backend 'cuda'": lambda: api._resolve_backend(
-            WHAT, "cuda", plan, pool.device, pool.dtype, api._addresses(api._memory_spans(False, *written, *inputs))
+            WHAT, "cuda", plan, pool.device, pool.dtype, api._addresses(spans), address_bits
         ),
         "cuda backend (block + launch)": lambda: cuda_backend.prepare_paged_qkv(
             q,

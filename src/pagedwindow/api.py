@@ -12,15 +12,18 @@ tensor that would be written (``out``, ``lse``, ``out_q``, the pool) must not re
 any write.
 
 Host cost: a call re-checks everything, but what depends only on the pool is cached (the checked geometry, keyed
-by the layout, layer and the pool's dtype, shape, device and contiguity) and what depends only on the plan is
-computed once per plan update (the kernels' parameter block). Within a call each tensor's address is read once (one
-pass feeds the overlap check and the backend's alignment check) and ``torch.compiler.is_compiling()`` is asked once.
+by the layout, layer and the pool's dtype, shape and contiguity) and what depends only on the plan is computed once
+per plan update (the kernels' parameter block). Within a call each tensor's address is read once (one pass feeds the
+overlap check and, folded into one OR, the backend's alignment check), each expected shape is built once and
+``torch.compiler.is_compiling()`` is asked once.
 """
 
 from __future__ import annotations
 
 import logging
+import operator
 import warnings
+from collections.abc import Iterable
 from types import ModuleType
 
 import torch
@@ -60,21 +63,39 @@ def _cuda_backend():
 _fallbacks_warned: set[str] = set()
 _log = logging.getLogger(__name__)
 
+_cuda_devices: dict[torch.device, bool] = {}  # device -> device.type == "cuda"; a process sees few devices
+
+
+def _on_cuda(device: torch.device) -> bool:
+    """``device.type == "cuda"``, remembered per device (reading ``torch.device.type`` builds a new string)."""
+    on_cuda = _cuda_devices.get(device)
+    if on_cuda is None:
+        on_cuda = _cuda_devices[device] = device.type == "cuda"
+    return on_cuda
+
 
 def _resolve_backend(
-    what: str, backend: str, plan: PrefillPagedPlan, device: torch.device, dtype: torch.dtype, addresses
+    what: str,
+    backend: str,
+    plan: PrefillPagedPlan,
+    device: torch.device,
+    dtype: torch.dtype,
+    addresses,
+    address_bits: int | None = None,
 ) -> str:
     """The backend that runs this call on ``device`` with tensors of ``dtype``; ``addresses``: the call's
-    tensors' addresses (``_memory_spans``'s starts; None under torch.compile, where tensors have none)."""
+    tensors' addresses (``_memory_spans``'s starts, any iterable; None under torch.compile, where tensors have
+    none); ``address_bits``: their bitwise OR where the caller folded it (``_memory_spans``), so that the
+    backend walks ``addresses`` only to name a misaligned one."""
     if backend == "reference":
         return backend
     if backend not in BACKENDS:
         raise PagedWindowError(f"{what}: backend {backend!r} is not one of {BACKENDS}")
     if backend == "auto":
-        if device.type != "cuda":
+        if not _on_cuda(device):
             return "reference"
         cuda = _cuda_backend()
-        reason = cuda.unavailable_reason() or cuda.unsupported(what, plan, dtype, addresses)
+        reason = cuda.unavailable_reason() or cuda.unsupported(what, plan, dtype, addresses, address_bits)
         if reason is None:
             return "cuda"
         if reason not in _fallbacks_warned:
@@ -86,10 +107,10 @@ def _resolve_backend(
         else:
             _log.debug("%s: backend 'auto' runs the PyTorch reference on %s: %s", what, device, reason)
         return "reference"
-    if device.type != "cuda":
+    if not _on_cuda(device):
         raise PagedWindowError(f"{what}: backend 'cuda' needs tensors on a CUDA device, got {device}")
     cuda = _cuda_backend()
-    reason = cuda.unsupported(what, plan, dtype, addresses)
+    reason = cuda.unsupported(what, plan, dtype, addresses, address_bits)
     if reason is not None:
         raise PagedWindowError(f"{what}: backend 'cuda' does not support {reason}")
     cuda.require()  # raises PagedWindowError naming why the kernels cannot be built or loaded
@@ -110,10 +131,11 @@ _GEOMETRY_CACHE_SIZE = 64
 
 def _pool_geometry(what: str, layout, pool, layer, head_dim: int, num_kv_heads: int) -> PagedGeometry:
     """``checked_paged_geometry``, cached for plain tensors by everything the geometry is a function of
-    (the layout, layer, heads, and the pool's dtype, shape, device and contiguity)."""
+    (the layout, layer, heads, and the pool's dtype, shape and contiguity; not its device or address, which
+    the geometry never reads)."""
     if type(pool) is not torch.Tensor or type(layer) is not int or type(layout) is not PagedKvLayout:
         return checked_paged_geometry(what, layout, pool, layer, head_dim, num_kv_heads)
-    key = (layout, layer, head_dim, num_kv_heads, pool.dtype, pool.shape, pool.device, pool.is_contiguous())
+    key = (layout, layer, head_dim, num_kv_heads, pool.dtype, pool.shape, pool.is_contiguous())
     geometry = _geometries.get(key)
     if geometry is None:
         geometry = checked_paged_geometry(what, layout, pool, layer, head_dim, num_kv_heads)
@@ -149,14 +171,14 @@ def _plan_on_pool(what: str, plan, layout, pool, layer):
     return state, geometry
 
 
-def _check_rows(
-    what: str, name: str, t, *, rows: int, tail: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> None:
-    """``t`` is a contiguous tensor ``[>= rows, *tail]`` of ``dtype`` on ``device`` (the pool's)."""
+def _check_rows(what: str, name: str, t, *, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    """``t`` is a contiguous tensor ``[>= rows, *tail]`` of ``dtype`` on ``device`` (the pool's), where
+    ``shape = (rows, *tail)``: the plan's ``total_tokens``, then a row's shape (built once per call, shared by the
+    tensors of one shape)."""
     if type(t) is torch.Tensor:  # the every-call case, in one expression; any failure gets its message below
-        shape = t.shape
+        got = t.shape
         if (
-            (shape == (rows, *tail) or (len(shape) == 1 + len(tail) and shape[1:] == tail and shape[0] >= rows))
+            (got == shape or (len(got) == len(shape) and got[1:] == shape[1:] and got[0] >= shape[0]))
             and t.dtype == dtype
             and t.is_contiguous()
             and t.device == device
@@ -164,11 +186,12 @@ def _check_rows(
             return
     if not isinstance(t, torch.Tensor):
         raise PagedWindowError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    shape = t.shape
-    if len(shape) != 1 + len(tail) or tuple(shape[1:]) != tail:
-        raise PagedWindowError(f"{what}: {name} shape {tuple(shape)} must be [rows, {', '.join(map(str, tail))}]")
-    if shape[0] < rows:
-        raise PagedWindowError(f"{what}: {name} has {shape[0]} rows; the plan needs {rows} (total_tokens)")
+    rows, tail = shape[0], tuple(shape[1:])
+    got = t.shape
+    if len(got) != 1 + len(tail) or tuple(got[1:]) != tail:
+        raise PagedWindowError(f"{what}: {name} shape {tuple(got)} must be [rows, {', '.join(map(str, tail))}]")
+    if got[0] < rows:
+        raise PagedWindowError(f"{what}: {name} has {got[0]} rows; the plan needs {rows} (total_tokens)")
     if t.dtype != dtype:
         raise PagedWindowError(f"{what}: {name} dtype {t.dtype} must be {dtype}")
     if t.device != device:
@@ -191,17 +214,23 @@ def _check_writable(what: str, name: str, t: torch.Tensor, compiling: bool) -> N
         )
 
 
-def _memory_spans(compiling: bool, *named: tuple[str, torch.Tensor | None]) -> list[tuple[str, int, int]] | None:
-    """``(name, first byte, past the last byte)`` of each tensor given (None entries skipped), each address read
-    once per call; None under torch.compile (fake tensors have no addresses)."""
+def _memory_spans(
+    compiling: bool, *named: tuple[str, torch.Tensor | None]
+) -> tuple[list[tuple[str, int, int]] | None, int]:
+    """``(spans, address_bits)``: ``(name, first byte, past the last byte)`` of each tensor given (None entries
+    skipped), each address read once per call, and the bitwise OR of those first bytes (every address is a
+    multiple of a power of two iff their OR is: the backend's alignment check, in one test). ``(None, 0)`` under
+    torch.compile (fake tensors have no addresses)."""
     if compiling:
-        return None
+        return None, 0
     spans = []
+    address_bits = 0
     for name, t in named:
         if t is not None:
             start = t.data_ptr()
+            address_bits |= start
             spans.append((name, start, start + t.nbytes))
-    return spans
+    return spans, address_bits
 
 
 def _check_disjoint(what: str, spans: list[tuple[str, int, int]] | None, written: int) -> None:
@@ -217,9 +246,13 @@ def _check_disjoint(what: str, spans: list[tuple[str, int, int]] | None, written
                 raise PagedWindowError(f"{what}: {name} overlaps {other} in memory")
 
 
-def _addresses(spans: list[tuple[str, int, int]] | None) -> list[int] | None:
-    """The spans' first bytes: what the backends check for alignment."""
-    return None if spans is None else [start for _, start, _ in spans]
+_first_byte = operator.itemgetter(1)
+
+
+def _addresses(spans: list[tuple[str, int, int]] | None) -> Iterable[int] | None:
+    """The spans' first bytes, what the backends check for alignment: a lazy iterable (read once, and only when
+    the addresses' OR shows a misaligned one, to name it); None under torch.compile (``spans`` None)."""
+    return None if spans is None else map(_first_byte, spans)
 
 
 def batch_prefill_paged_window(
@@ -248,24 +281,22 @@ def batch_prefill_paged_window(
     window_left = check_window_left(window_left)
     state, geometry = _plan_on_pool(what, plan, layout, pool, layer)
     rows = state.total_tokens
-    tail = (state.num_qo_heads, state.head_dim)
+    q_shape = (rows, state.num_qo_heads, state.head_dim)
     dtype, device = pool.dtype, pool.device
-    _check_rows(what, "q", q, rows=rows, tail=tail, dtype=dtype, device=device)
+    _check_rows(what, "q", q, shape=q_shape, dtype=dtype, device=device)
     compiling = torch.compiler.is_compiling()
-    written: list[tuple[str, torch.Tensor]] = []
-    if out is None:
-        out = torch.empty((rows, *tail), dtype=q.dtype, device=q.device)
-    else:
-        _check_rows(what, "out", out, rows=rows, tail=tail, dtype=dtype, device=device)
+    if out is not None:
+        _check_rows(what, "out", out, shape=q_shape, dtype=dtype, device=device)
         _check_writable(what, "out", out, compiling)
-        written.append(("out", out))
     if lse is not None:
-        _check_rows(what, "lse", lse, rows=rows, tail=(state.num_qo_heads,), dtype=torch.float32, device=device)
+        _check_rows(what, "lse", lse, shape=(rows, state.num_qo_heads), dtype=torch.float32, device=device)
         _check_writable(what, "lse", lse, compiling)
-        written.append(("lse", lse))
-    spans = _memory_spans(compiling, *written, ("q", q), ("pool", pool))
-    _check_disjoint(what, spans, len(written))
-    chosen = _resolve_backend(what, backend, plan, device, dtype, _addresses(spans))
+    written = (out is not None) + (lse is not None)  # the spans of out and lse come first (None ones are skipped)
+    spans, address_bits = _memory_spans(compiling, ("out", out), ("lse", lse), ("q", q), ("pool", pool))
+    _check_disjoint(what, spans, written)
+    chosen = _resolve_backend(what, backend, plan, device, dtype, _addresses(spans), address_bits)
+    if out is None:
+        out = torch.empty(q_shape, dtype=q.dtype, device=q.device)
     if rows == 0:
         return out[:0]
     for observe in prefill_observers:
@@ -300,15 +331,15 @@ def append_paged_kv(
     what = "append_paged_kv"
     state, geometry = _plan_on_pool(what, plan, layout, pool, layer)
     rows = state.total_tokens
-    tail = (state.num_kv_heads, state.head_dim)
+    kv_shape = (rows, state.num_kv_heads, state.head_dim)
     dtype, device = pool.dtype, pool.device
-    _check_rows(what, "k", k, rows=rows, tail=tail, dtype=dtype, device=device)
-    _check_rows(what, "v", v, rows=rows, tail=tail, dtype=dtype, device=device)
+    _check_rows(what, "k", k, shape=kv_shape, dtype=dtype, device=device)
+    _check_rows(what, "v", v, shape=kv_shape, dtype=dtype, device=device)
     compiling = torch.compiler.is_compiling()
     _check_writable(what, "pool", pool, compiling)
-    spans = _memory_spans(compiling, ("pool", pool), ("k", k), ("v", v))
+    spans, address_bits = _memory_spans(compiling, ("pool", pool), ("k", k), ("v", v))
     _check_disjoint(what, spans, 1)
-    chosen = _resolve_backend(what, backend, plan, device, dtype, _addresses(spans))
+    chosen = _resolve_backend(what, backend, plan, device, dtype, _addresses(spans), address_bits)
     if rows == 0:
         return
     if chosen == "cuda":
@@ -382,9 +413,10 @@ def prepare_paged_qkv(
     max_position = state.total_pages * state.page_size  # bounds every position
     check_rope(what, d, rope_theta, rope_position_factor, max_position, compiling=compiling)
     dtype, device = pool.dtype, pool.device
-    _check_rows(what, "q", q, rows=rows, tail=(hq, d), dtype=dtype, device=device)
-    _check_rows(what, "k", k, rows=rows, tail=(hkv, d), dtype=dtype, device=device)
-    _check_rows(what, "v", v, rows=rows, tail=(hkv, d), dtype=dtype, device=device)
+    q_shape, kv_shape = (rows, hq, d), (rows, hkv, d)
+    _check_rows(what, "q", q, shape=q_shape, dtype=dtype, device=device)
+    _check_rows(what, "k", k, shape=kv_shape, dtype=dtype, device=device)
+    _check_rows(what, "v", v, shape=kv_shape, dtype=dtype, device=device)
     _check_norm_weight(what, "q_norm_weight", q_norm_weight, head_dim=d, dtype=dtype, device=device)
     _check_norm_weight(what, "k_norm_weight", k_norm_weight, head_dim=d, dtype=dtype, device=device)
     if q_norm_weight.dtype != k_norm_weight.dtype:
@@ -392,26 +424,24 @@ def prepare_paged_qkv(
             f"{what}: q_norm_weight ({q_norm_weight.dtype}) and k_norm_weight ({k_norm_weight.dtype}) "
             "must share a dtype"
         )
-    written: list[tuple[str, torch.Tensor]] = []
-    if out_q is None:
-        out_q = torch.empty((rows, hq, d), dtype=q.dtype, device=q.device)
-    else:
-        _check_rows(what, "out_q", out_q, rows=rows, tail=(hq, d), dtype=dtype, device=device)
+    if out_q is not None:
+        _check_rows(what, "out_q", out_q, shape=q_shape, dtype=dtype, device=device)
         _check_writable(what, "out_q", out_q, compiling)
-        written.append(("out_q", out_q))
     _check_writable(what, "pool", pool, compiling)
-    written.append(("pool", pool))
-    spans = _memory_spans(
+    spans, address_bits = _memory_spans(  # the written tensors first (out_q skipped when None)
         compiling,
-        *written,
+        ("out_q", out_q),
+        ("pool", pool),
         ("q", q),
         ("k", k),
         ("v", v),
         ("q_norm_weight", q_norm_weight),
         ("k_norm_weight", k_norm_weight),
     )
-    _check_disjoint(what, spans, len(written))
-    chosen = _resolve_backend(what, backend, plan, device, dtype, _addresses(spans))
+    _check_disjoint(what, spans, 1 if out_q is None else 2)
+    chosen = _resolve_backend(what, backend, plan, device, dtype, _addresses(spans), address_bits)
+    if out_q is None:
+        out_q = torch.empty(q_shape, dtype=q.dtype, device=q.device)
     if rows == 0:
         return out_q[:0]
     if chosen == "cuda":

@@ -23,14 +23,21 @@ PREFILL_DTYPES = (torch.bfloat16,)
 APPEND_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PREPARE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 PREPARE_HEAD_DIMS = (64, 128, 256, 512)
+ALIGNMENT = 16
+"""The kernels need every tensor address to be a multiple of this many bytes (16-byte vector loads and
+cp.async copies)."""
 _log = logging.getLogger(__name__)
 
 
-def unsupported(what: str, plan: PrefillPagedPlan, dtype: torch.dtype, addresses) -> str | None:
+def unsupported(
+    what: str, plan: PrefillPagedPlan, dtype: torch.dtype, addresses, address_bits: int | None = None
+) -> str | None:
     """Why the kernels cannot run this call (``auto`` then falls back to the reference), or None.
 
-    ``dtype``: the call's tensors' (the pool's); ``addresses``: the call's tensors' addresses, None under
-    torch.compile. The kernels need 16-byte aligned addresses (a contiguous view starting mid-row can break that).
+    ``dtype``: the call's tensors' (the pool's); ``addresses``: the call's tensors' addresses (any iterable), None
+    under torch.compile. The kernels need ``ALIGNMENT``-byte aligned addresses (a contiguous view starting
+    mid-row can break that). ``address_bits``: the bitwise OR of ``addresses`` where the caller has it (every
+    address is aligned iff their OR is); ``addresses`` is then walked only to name a misaligned one.
     """
     if what == "append_paged_kv":
         if dtype not in APPEND_DTYPES:
@@ -46,9 +53,11 @@ def unsupported(what: str, plan: PrefillPagedPlan, dtype: torch.dtype, addresses
         return f"head_dim {plan.head_dim} (the kernel is built for {PREFILL_HEAD_DIM})"
     elif plan.cta_tile_q not in SUPPORTED_CTA_TILE_Q:
         return f"the plan's tile cta_tile_q={plan.cta_tile_q} (the kernel runs {SUPPORTED_CTA_TILE_Q})"
-    for address in addresses or ():
-        if address % 16:
-            return f"a tensor at address {address:#x}, which is not 16-byte aligned"
+    if addresses is None or (address_bits is not None and not address_bits % ALIGNMENT):
+        return None
+    for address in addresses:
+        if address % ALIGNMENT:
+            return f"a tensor at address {address:#x}, which is not {ALIGNMENT}-byte aligned"
     return None
 
 

@@ -1,0 +1,105 @@
+"""The wrappers' per-call host helpers that feed the backend choice: the address pass (spans and their OR), the
+CUDA backend's alignment verdict, the device test and the pool-geometry cache. CPU only: a CUDA device is named,
+never used (the alignment refusal comes before the kernels are loaded)."""
+
+import functools
+import operator
+
+import pytest
+import torch
+
+import pagedwindow as pw
+from pagedwindow import api
+from pagedwindow import cuda as cuda_backend
+from pagedwindow.layout import checked_paged_geometry
+
+WHAT = "prepare_paged_qkv"
+
+
+@pytest.fixture
+def plan():
+    return pw.PrefillPagedPlan.single(
+        [0], 4, 0, 4, num_qo_heads=2, num_kv_heads=1, head_dim=256, page_size=16, cta_tile_q=16
+    )  # a tile: no device to ask
+
+
+def tensors(shift: int = 0):
+    """Three bf16 tensors; the second starts ``shift`` elements past an aligned address."""
+    flat = torch.zeros(3 * 1024 + 8, dtype=torch.bfloat16)
+    assert flat.data_ptr() % 16 == 0
+    return (
+        ("a", flat[:1024]),
+        ("b", flat[1024 + shift : 2048 + shift]),
+        ("c", flat[2048 + 8 :]),
+    )
+
+
+def test_memory_spans_read_each_address_once_and_fold_them():
+    named = tensors(shift=1)
+    spans, address_bits = api._memory_spans(False, *named, ("skipped", None))
+    assert spans == [(n, t.data_ptr(), t.data_ptr() + t.nbytes) for n, t in named]
+    assert address_bits == functools.reduce(operator.or_, (t.data_ptr() for _, t in named))
+    assert list(api._addresses(spans)) == [t.data_ptr() for _, t in named]
+    assert api._memory_spans(True, *named) == (None, 0)  # under torch.compile: no addresses
+    assert api._addresses(None) is None
+
+
+@pytest.mark.parametrize("shift", [0, 1, 8])
+def test_the_folded_alignment_check_agrees_with_the_walk(plan, shift):
+    spans, address_bits = api._memory_spans(False, *tensors(shift))
+    walked = cuda_backend.unsupported(WHAT, plan, torch.bfloat16, api._addresses(spans))
+    folded = cuda_backend.unsupported(WHAT, plan, torch.bfloat16, api._addresses(spans), address_bits)
+    assert folded == walked
+    if shift == 1:
+        address = spans[1][1]
+        assert folded == f"a tensor at address {address:#x}, which is not 16-byte aligned"
+    else:
+        assert folded is None
+
+
+def test_aligned_addresses_are_not_walked(plan):
+    def never_read():
+        raise AssertionError("the addresses were walked although their OR is aligned")
+        yield
+
+    assert cuda_backend.unsupported(WHAT, plan, torch.bfloat16, never_read(), 1 << 20) is None
+    assert cuda_backend.unsupported(WHAT, plan, torch.bfloat16, None, None) is None  # torch.compile
+    assert cuda_backend.unsupported(WHAT, plan, torch.int8, never_read(), 1 << 20).startswith("dtype torch.int8")
+
+
+def test_backend_cuda_refuses_a_misaligned_tensor_by_its_address(plan):
+    spans, address_bits = api._memory_spans(False, *tensors(shift=1))
+    with pytest.raises(pw.PagedWindowError) as err:
+        api._resolve_backend(
+            WHAT, "cuda", plan, torch.device("cuda", 0), torch.bfloat16, api._addresses(spans), address_bits
+        )
+    assert str(err.value) == (
+        f"{WHAT}: backend 'cuda' does not support a tensor at address {spans[1][1]:#x}, which is not 16-byte aligned"
+    )
+
+
+@pytest.mark.parametrize(
+    "device", ["cpu", "cpu:0", "cuda", "cuda:0", "cuda:1", "meta"], ids=lambda d: d.replace(":", "-") + "-device"
+)  # ids unlike "cuda", the keyword that marks a test as needing a GPU
+def test_on_cuda_is_the_device_type(device):
+    device = torch.device(device)
+    assert api._on_cuda(device) is (device.type == "cuda")
+    assert api._on_cuda(torch.device(str(device))) is (device.type == "cuda")  # remembered: the same answer
+
+
+def test_backend_cuda_refuses_a_cpu_device_and_auto_runs_the_reference(plan):
+    with pytest.raises(pw.PagedWindowError, match="backend 'cuda' needs tensors on a CUDA device, got cpu"):
+        api._resolve_backend(WHAT, "cuda", plan, torch.device("cpu"), torch.bfloat16, [0], 0)
+    assert api._resolve_backend(WHAT, "auto", plan, torch.device("cpu"), torch.bfloat16, [1], 1) == "reference"
+
+
+def test_the_cached_geometry_is_the_checked_one_on_every_device():
+    layout = pw.PagedKvLayout(num_layers=2, num_kv_heads=1, head_dim=8, page_size=4)
+    for device in ("cpu", "meta"):
+        pool = layout.allocate(3, dtype=torch.float16, device=device)
+        for layer in (0, 1):
+            got = api._pool_geometry("x", layout, pool, layer, 8, 1)
+            assert got == checked_paged_geometry("x", layout, pool, layer, 8, 1)
+    strided = torch.empty((2, 3, 2, 4, 1, 8), device="meta").transpose(0, 1)  # the pool's shape, not contiguous
+    with pytest.raises(pw.PagedWindowError, match="pool must be contiguous"):
+        api._pool_geometry("x", layout, strided.to(torch.float16), 0, 8, 1)

@@ -63,16 +63,6 @@ def _cuda_backend():
 _fallbacks_warned: set[str] = set()
 _log = logging.getLogger(__name__)
 
-_cuda_devices: dict[torch.device, bool] = {}  # device -> device.type == "cuda"; a process sees few devices
-
-
-def _on_cuda(device: torch.device) -> bool:
-    """``device.type == "cuda"``, remembered per device (reading ``torch.device.type`` builds a new string)."""
-    on_cuda = _cuda_devices.get(device)
-    if on_cuda is None:
-        on_cuda = _cuda_devices[device] = device.type == "cuda"
-    return on_cuda
-
 
 def _resolve_backend(
     what: str,
@@ -92,7 +82,7 @@ def _resolve_backend(
     if backend not in BACKENDS:
         raise PagedWindowError(f"{what}: backend {backend!r} is not one of {BACKENDS}")
     if backend == "auto":
-        if not _on_cuda(device):
+        if device.type != "cuda":
             return "reference"
         cuda = _cuda_backend()
         reason = cuda.unavailable_reason() or cuda.unsupported(what, plan, dtype, addresses, address_bits)
@@ -107,7 +97,7 @@ def _resolve_backend(
         else:
             _log.debug("%s: backend 'auto' runs the PyTorch reference on %s: %s", what, device, reason)
         return "reference"
-    if not _on_cuda(device):
+    if device.type != "cuda":
         raise PagedWindowError(f"{what}: backend 'cuda' needs tensors on a CUDA device, got {device}")
     cuda = _cuda_backend()
     reason = cuda.unsupported(what, plan, dtype, addresses, address_bits)

@@ -48,11 +48,11 @@ def main() -> None:
         "plan on pool (geometry cached)": lambda: api._plan_on_pool(WHAT, plan, inp.layout, pool, 0),
         "rope bounds": lambda: check_rope(WHAT, d, 10000.0, 1.0, state.total_pages * state.page_size, compiling=False),
         "q, k, v, out_q rows": lambda: [
-            api._check_rows(WHAT, n, t, shape=s, dtype=pool.dtype, device=pool.device)
+            api._check_rows(WHAT, n, t, s, pool.dtype, pool.device)
             for n, t, s in (("q", q, q_shape), ("k", k, kv_shape), ("v", v, kv_shape), ("out_q", out_q, q_shape))
         ],
         "two norm weights": lambda: [
-            api._check_norm_weight(WHAT, n, t, head_dim=d, dtype=pool.dtype, device=pool.device)
+            api._check_norm_weight(WHAT, n, t, d, pool.dtype, pool.device)
             for n, t in (("wq", wq), ("wk", wk))
         ],
         "writable out_q, pool": lambda: (
@@ -77,6 +77,7 @@ def main() -> None:
             rope_position_factor=1.0,
             norm_style="gemma4",
             out_q=out_q,
+            compiling=False,
         ),
     }
     pieces["whole call, backend='cuda'"]()  # fills the plan's launch block

@@ -161,7 +161,7 @@ def _plan_on_pool(what: str, plan, layout, pool, layer):
     return state, geometry
 
 
-def _check_rows(what: str, name: str, t, *, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+def _check_rows(what: str, name: str, t, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
     """``t`` is a contiguous tensor ``[>= rows, *tail]`` of ``dtype`` on ``device`` (the pool's), where
     ``shape = (rows, *tail)``: the plan's ``total_tokens``, then a row's shape (built once per call, shared by the
     tensors of one shape)."""
@@ -273,10 +273,10 @@ def batch_prefill_paged_window(
     rows = state.total_tokens
     q_shape = (rows, state.num_qo_heads, state.head_dim)
     dtype, device = pool.dtype, pool.device
-    _check_rows(what, "q", q, shape=q_shape, dtype=dtype, device=device)
+    _check_rows(what, "q", q, q_shape, dtype, device)
     compiling = torch.compiler.is_compiling()
     if out is not None:
-        _check_rows(what, "out", out, shape=q_shape, dtype=dtype, device=device)
+        _check_rows(what, "out", out, q_shape, dtype, device)
         _check_writable(what, "out", out, compiling)
     if lse is not None:
         _check_rows(what, "lse", lse, shape=(rows, state.num_qo_heads), dtype=torch.float32, device=device)
@@ -293,7 +293,7 @@ def batch_prefill_paged_window(
         observe(chosen, q, pool, geometry, plan)
     if chosen == "cuda":
         _cuda_backend().batch_prefill_paged_window(
-            q, pool, geometry, plan, sm_scale=sm_scale, window_left=window_left, out=out, lse=lse
+            q, pool, geometry, plan, sm_scale=sm_scale, window_left=window_left, out=out, lse=lse, compiling=compiling
         )
     else:
         reference.batch_prefill_paged_window(
@@ -323,8 +323,8 @@ def append_paged_kv(
     rows = state.total_tokens
     kv_shape = (rows, state.num_kv_heads, state.head_dim)
     dtype, device = pool.dtype, pool.device
-    _check_rows(what, "k", k, shape=kv_shape, dtype=dtype, device=device)
-    _check_rows(what, "v", v, shape=kv_shape, dtype=dtype, device=device)
+    _check_rows(what, "k", k, kv_shape, dtype, device)
+    _check_rows(what, "v", v, kv_shape, dtype, device)
     compiling = torch.compiler.is_compiling()
     _check_writable(what, "pool", pool, compiling)
     spans, address_bits = _memory_spans(compiling, ("pool", pool), ("k", k), ("v", v))
@@ -333,12 +333,12 @@ def append_paged_kv(
     if rows == 0:
         return
     if chosen == "cuda":
-        _cuda_backend().append_paged_kv(k, v, pool, geometry, plan)
+        _cuda_backend().append_paged_kv(k, v, pool, geometry, plan, compiling=compiling)
     else:
         reference.append_paged_kv(k.detach(), v.detach(), pool, geometry, plan)
 
 
-def _check_norm_weight(what: str, name: str, w, *, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+def _check_norm_weight(what: str, name: str, w, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
     """A norm weight: a contiguous ``[head_dim]`` tensor on ``device`` (the pool's), in ``dtype`` (the pool's) or
     fp32."""
     if (
@@ -404,18 +404,18 @@ def prepare_paged_qkv(
     check_rope(what, d, rope_theta, rope_position_factor, max_position, compiling=compiling)
     dtype, device = pool.dtype, pool.device
     q_shape, kv_shape = (rows, hq, d), (rows, hkv, d)
-    _check_rows(what, "q", q, shape=q_shape, dtype=dtype, device=device)
-    _check_rows(what, "k", k, shape=kv_shape, dtype=dtype, device=device)
-    _check_rows(what, "v", v, shape=kv_shape, dtype=dtype, device=device)
-    _check_norm_weight(what, "q_norm_weight", q_norm_weight, head_dim=d, dtype=dtype, device=device)
-    _check_norm_weight(what, "k_norm_weight", k_norm_weight, head_dim=d, dtype=dtype, device=device)
+    _check_rows(what, "q", q, q_shape, dtype, device)
+    _check_rows(what, "k", k, kv_shape, dtype, device)
+    _check_rows(what, "v", v, kv_shape, dtype, device)
+    _check_norm_weight(what, "q_norm_weight", q_norm_weight, d, dtype, device)
+    _check_norm_weight(what, "k_norm_weight", k_norm_weight, d, dtype, device)
     if q_norm_weight.dtype != k_norm_weight.dtype:
         raise PagedWindowError(
             f"{what}: q_norm_weight ({q_norm_weight.dtype}) and k_norm_weight ({k_norm_weight.dtype}) "
             "must share a dtype"
         )
     if out_q is not None:
-        _check_rows(what, "out_q", out_q, shape=q_shape, dtype=dtype, device=device)
+        _check_rows(what, "out_q", out_q, q_shape, dtype, device)
         _check_writable(what, "out_q", out_q, compiling)
     _check_writable(what, "pool", pool, compiling)
     spans, address_bits = _memory_spans(  # the written tensors first (out_q skipped when None)
@@ -449,6 +449,7 @@ def prepare_paged_qkv(
             rope_position_factor=rope_position_factor,
             norm_style=norm_style,
             out_q=out_q,
+            compiling=compiling,
         )
     else:
         reference.prepare_paged_qkv(

@@ -150,13 +150,23 @@ def _prefill_block(plan: PrefillPagedPlan, device: torch.device, buffer: torch.T
 
 
 def batch_prefill_paged_window(
-    q, pool, geometry: PagedGeometry, plan: PrefillPagedPlan, *, sm_scale: float, window_left: int, out, lse=None
+    q,
+    pool,
+    geometry: PagedGeometry,
+    plan: PrefillPagedPlan,
+    *,
+    sm_scale: float,
+    window_left: int,
+    out,
+    lse=None,
+    compiling: bool,
 ) -> None:
     """Launch the prefill kernel. Eager calls (CUDA-graph capture included) go straight to the launcher;
-    under ``torch.compile`` the custom op is what gets traced."""
+    under ``torch.compile`` (``compiling``: ``torch.compiler.is_compiling()``, as the caller read it) the custom
+    op is what gets traced."""
     device = q.device
     buffer = plan.device_buffer(device)  # uploaded once per plan update; stable address
-    if torch.compiler.is_compiling():
+    if compiling:
         workspace, counters = plan.split_kv_workspace(device) or (None, None)
         ops.prefill_hd256(
             q,
@@ -193,11 +203,11 @@ def batch_prefill_paged_window(
     )
 
 
-def append_paged_kv(k, v, pool, geometry: PagedGeometry, plan: PrefillPagedPlan) -> None:
-    """Launch the pool write (eager: the launcher directly; compiled: the custom op)."""
+def append_paged_kv(k, v, pool, geometry: PagedGeometry, plan: PrefillPagedPlan, *, compiling: bool) -> None:
+    """Launch the pool write (eager: the launcher directly; ``compiling``: the custom op)."""
     buffer = plan.device_buffer(k.device)
     cap = plan.capacity
-    if torch.compiler.is_compiling():
+    if compiling:
         ops.append_paged_kv(
             k,
             v,
@@ -244,11 +254,12 @@ def prepare_paged_qkv(
     rope_position_factor: float,
     norm_style: str,
     out_q,
+    compiling: bool,
 ) -> None:
-    """Launch the fused prep (eager: the launcher directly; compiled: the custom op)."""
+    """Launch the fused prep (eager: the launcher directly; ``compiling``: the custom op)."""
     device = q.device
     cap = plan.capacity
-    if torch.compiler.is_compiling():
+    if compiling:
         ops.prepare_qkv(
             q,
             k,

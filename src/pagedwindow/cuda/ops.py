@@ -397,14 +397,15 @@ def launch_prepare(
         out_q.data_ptr(),
     )
     block.q_weight, block.k_weight = q_weight.data_ptr(), k_weight.data_ptr()
-    scalars = (k_offset, v_offset, page_stride, q.dtype, q_weight.dtype, norm_style, eps, rope_theta, rope_position_factor)
+    rope = (rope_theta, rope_position_factor)
+    scalars = (k_offset, v_offset, page_stride, q.dtype, q_weight.dtype, norm_style, eps, *rope)
     if block.scalars != scalars:  # written only when they change (the 1 KiB inv_freq field above all)
         block.k_offset, block.v_offset, block.page_stride = k_offset, v_offset, page_stride
         block.dtype = PREPARE_DTYPE_CODES[q.dtype]
         block.weight_fp32 = int(q_weight.dtype == torch.float32)
         block.norm_style = PREPARE_NORM_STYLE_CODES[norm_style]
         block.eps = eps
-        if block.scalars is None or block.scalars[7:] != scalars[7:]:
+        if block.scalars is None or block.scalars[-2:] != rope:
             block.inv_freq = _inv_freq_field(block.head_dim, rope_theta, rope_position_factor)
         block.scalars = scalars
     lib = _by_device.get(device.index) or library(device)

@@ -52,8 +52,7 @@ def main() -> None:
             for n, t, s in (("q", q, q_shape), ("k", k, kv_shape), ("v", v, kv_shape), ("out_q", out_q, q_shape))
         ],
         "two norm weights": lambda: [
-            api._check_norm_weight(WHAT, n, t, d, pool.dtype, pool.device)
-            for n, t in (("wq", wq), ("wk", wk))
+            api._check_norm_weight(WHAT, n, t, d, pool.dtype, pool.device) for n, t in (("wq", wq), ("wk", wk))
         ],
         "writable out_q, pool": lambda: (
             api._check_writable(WHAT, "o", out_q, False),

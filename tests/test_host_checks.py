@@ -94,3 +94,66 @@ def test_the_cached_geometry_is_the_checked_one_on_every_device():
     strided = torch.empty((2, 3, 2, 4, 1, 8), device="meta").transpose(0, 1)  # the pool's shape, not contiguous
     with pytest.raises(pw.PagedWindowError, match="pool must be contiguous"):
         api._pool_geometry("x", layout, strided.to(torch.float16), 0, 8, 1)
+
+
+def test_the_prep_block_is_rewritten_whenever_a_per_call_scalar_changes(monkeypatch):
+    """launch_prepare skips rewriting the block's scalars while they repeat: every change of any of them (and a
+    change back) must still reach the launcher, and a repeat must leave the block as it was."""
+    from pagedwindow.cuda import ops
+    from pagedwindow.gemma_prep import rope_inv_freq
+
+    d = 64
+    seen = []
+
+    class StubLibrary:
+        @staticmethod
+        def pw_prepare_qkv(block_ref, stream):
+            b = block_ref._obj
+            seen.append(
+                (
+                    b.k_offset,
+                    b.v_offset,
+                    b.page_stride,
+                    b.dtype,
+                    b.weight_fp32,
+                    b.norm_style,
+                    b.eps,
+                    list(b.inv_freq[: d // 2]),
+                )
+            )
+            return 0
+
+    monkeypatch.setitem(ops._by_device, None, StubLibrary)  # CPU tensors: device index None
+    monkeypatch.setattr(ops, "_current_device", lambda: None)
+    monkeypatch.setattr(ops, "_current_raw_stream", lambda index: 0)
+    block = ops.PrepareLaunch(head_dim=d)
+    weights = {torch.bfloat16: torch.ones(d, dtype=torch.bfloat16), torch.float32: torch.ones(d)}
+    rows = {dt: torch.zeros(2, 1, d, dtype=dt) for dt in (torch.bfloat16, torch.float16)}
+    base = dict(
+        k_offset=0, v_offset=64, page_stride=128, eps=1e-6, theta=1e4, factor=1.0, style="gemma4", w=torch.bfloat16,
+        dt=torch.bfloat16,
+    )  # fmt: skip
+    changed = dict(
+        k_offset=8, v_offset=72, page_stride=256, eps=1e-5, theta=5e5, factor=8.0, style="gemma3", w=torch.float32,
+        dt=torch.float16,
+    )  # fmt: skip
+    # One scalar at a time, each step differing from the one before in that scalar alone: all of them changed in
+    # turn, then each put back, with repeats (no change) at both ends.
+    steps = [None, None, *changed.items(), *base.items(), None]
+    a = dict(base)
+    for step in steps:
+        if step is not None:
+            a[step[0]] = step[1]
+        t = rows[a["dt"]]
+        ops.launch_prepare(
+            block, torch.device("cpu"), t, t, t, t, t, weights[a["w"]], weights[a["w"]], a["k_offset"], a["v_offset"],
+            a["page_stride"], a["eps"], a["theta"], a["factor"], a["style"],
+        )  # fmt: skip
+        want_freq = rope_inv_freq(d, a["theta"], a["factor"])
+        k_off, v_off, stride, dtype, w32, style, eps, freq = seen[-1]
+        assert (k_off, v_off, stride) == (a["k_offset"], a["v_offset"], a["page_stride"])
+        assert dtype == ops.PREPARE_DTYPE_CODES[a["dt"]]
+        assert w32 == int(a["w"] == torch.float32)
+        assert style == ops.PREPARE_NORM_STYLE_CODES[a["style"]]
+        assert eps == pytest.approx(a["eps"], rel=1e-6)
+        assert freq == pytest.approx([float(f) for f in want_freq], rel=1e-6)

@@ -242,6 +242,9 @@ def test_every_upload_shape_fills_the_live_entries(max_tiles, passes, monkeypatc
     if passes != "compiled":
         monkeypatch.setattr(plan_module, "_loaded_kernels", lambda: None)
         monkeypatch.setattr(plan_module, "_host_pass_library", lambda device: None)
+        # The mirrors made here upload by torch copies for life: pooled, a later plan would take one and read its
+        # page ids back to upload them. They go to a pool of their own, dropped with this test.
+        monkeypatch.setattr(plan_module, "_MIRROR_POOL", plan_module._MirrorPool())
     kwargs = dict(num_qo_heads=16, num_kv_heads=8, head_dim=D, page_size=16)
     batches = [
         ([[3, 4]], [16], [17], [15]),

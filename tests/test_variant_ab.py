@@ -51,3 +51,13 @@ def test_a_variant_process_gets_its_flags_and_its_package_first(tmp_path):
     alone = variant_ab.variant_env({}, {"flags": "", "src": "rel/src"})
     assert alone["PYTHONPATH"] == os.path.abspath("rel/src") and alone["PAGEDWINDOW_NVCC_FLAGS"] == ""
     assert "PYTHONPATH" not in variant_ab.variant_env({}, {"flags": "", "src": None})
+
+
+def test_attention_workloads_are_bench_workloads_or_sweep_points():
+    from pagedwindow import bench
+
+    assert variant_ab.attention_workload("prefill_1x8192") is bench.WORKLOADS["prefill_1x8192"]
+    point = variant_ab.attention_workload("decode_b1_kv4096_w1023")
+    assert (point.seq_lens, point.start_positions, point.window_left) == ((1,), (4095,), 1023)
+    with pytest.raises(ValueError, match="'decode_b1_kv5_w1023' is neither a bench workload nor a sweep point"):
+        variant_ab.attention_workload("decode_b1_kv5_w1023")

@@ -8,9 +8,10 @@ Each variant is ``label:flags`` (``$PAGEDWINDOW_NVCC_FLAGS`` of its build; empty
 label=DIR`` runs that variant from another copy of the package (e.g. a prior commit's ``src`` unpacked beside
 this tree, whose ``kernels`` sit beside it). Every round runs each variant once, in a fresh process (one library
 per process), in a shuffled order; a process checks each workload's output against the reference, then times it
-with ``bench.median_ms`` (host queued ahead): the attention workloads at the plan's default tile or the given
-one, or with ``--prep`` the prep workloads (``prepare_paged_qkv``, checked as ``bench --prep`` checks it). The
-table gives each variant's median over the rounds and its ratio to the first variant's (below 1: faster).
+with ``bench.median_ms`` (host queued ahead): the attention workloads (``bench``'s names or sweep points', e.g.
+``decode_b1_kv4096_w1023``) at the plan's default tile or the given one, or with ``--prep`` the prep workloads
+(``prepare_paged_qkv``, checked as ``bench --prep`` checks it). The table gives each variant's median over the
+rounds and its ratio to the first variant's (below 1: faster).
 """
 
 import argparse

@@ -441,7 +441,14 @@ def test_a_failed_build_and_autos_fallback_are_logged(env, fake_gpu, broken_nvcc
         [0], 4, 0, 4, num_qo_heads=2, num_kv_heads=1, head_dim=256, page_size=16, cta_tile_q=16
     )  # a tile: no device to ask
     choose = functools.partial(
-        api._resolve_backend, "batch_prefill_paged_window", "auto", plan, torch.device("cuda", 0), torch.bfloat16, [0]
+        api._resolve_backend,
+        "batch_prefill_paged_window",
+        "auto",
+        plan,
+        torch.device("cuda", 0),
+        torch.bfloat16,
+        [0],
+        0,
     )  # the device is all the choice reads first
     with pytest.warns(RuntimeWarning, match="runs the PyTorch reference on cuda:0"):
         assert choose() == "reference"

@@ -71,12 +71,12 @@ def _resolve_backend(
     device: torch.device,
     dtype: torch.dtype,
     addresses,
-    address_bits: int | None = None,
+    address_bits: int,
 ) -> str:
     """The backend that runs this call on ``device`` with tensors of ``dtype``; ``addresses``: the call's
     tensors' addresses (``_memory_spans``'s starts, any iterable; None under torch.compile, where tensors have
-    none); ``address_bits``: their bitwise OR where the caller folded it (``_memory_spans``), so that the
-    backend walks ``addresses`` only to name a misaligned one."""
+    none); ``address_bits``: their bitwise OR (``_memory_spans``), so that the backend walks ``addresses`` only to
+    name a misaligned one."""
     if backend == "reference":
         return backend
     if backend not in BACKENDS:

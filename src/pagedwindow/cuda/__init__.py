@@ -29,15 +29,13 @@ cp.async copies)."""
 _log = logging.getLogger(__name__)
 
 
-def unsupported(
-    what: str, plan: PrefillPagedPlan, dtype: torch.dtype, addresses, address_bits: int | None = None
-) -> str | None:
+def unsupported(what: str, plan: PrefillPagedPlan, dtype: torch.dtype, addresses, address_bits: int) -> str | None:
     """Why the kernels cannot run this call (``auto`` then falls back to the reference), or None.
 
     ``dtype``: the call's tensors' (the pool's); ``addresses``: the call's tensors' addresses (any iterable), None
     under torch.compile. The kernels need ``ALIGNMENT``-byte aligned addresses (a contiguous view starting
-    mid-row can break that). ``address_bits``: the bitwise OR of ``addresses`` where the caller has it (every
-    address is aligned iff their OR is); ``addresses`` is then walked only to name a misaligned one.
+    mid-row can break that). ``address_bits``: the bitwise OR of ``addresses`` (every address is aligned iff
+    their OR is); ``addresses`` is walked only to name a misaligned one.
     """
     if what == "append_paged_kv":
         if dtype not in APPEND_DTYPES:
@@ -53,7 +51,7 @@ def unsupported(
         return f"head_dim {plan.head_dim} (the kernel is built for {PREFILL_HEAD_DIM})"
     elif plan.cta_tile_q not in SUPPORTED_CTA_TILE_Q:
         return f"the plan's tile cta_tile_q={plan.cta_tile_q} (the kernel runs {SUPPORTED_CTA_TILE_Q})"
-    if addresses is None or (address_bits is not None and not address_bits % ALIGNMENT):
+    if addresses is None or not address_bits % ALIGNMENT:
         return None
     for address in addresses:
         if address % ALIGNMENT:

@@ -240,7 +240,6 @@ def test_every_upload_shape_fills_the_live_entries(max_tiles, passes, monkeypatc
 
     cuda_backend.require()  # the library (and its compiled pass) loaded
     if passes != "compiled":
-        monkeypatch.setattr(plan_module, "_loaded_kernels", lambda: None)
         monkeypatch.setattr(plan_module, "_host_pass_library", lambda device: None)
         # The mirrors made here upload by torch copies for life: pooled, a later plan would take one and read its
         # page ids back to upload them. They go to a pool of their own, dropped with this test.
@@ -264,6 +263,37 @@ def test_every_upload_shape_fills_the_live_entries(max_tiles, passes, monkeypatc
         got = live_entries(plan, plan.device_buffer("cuda"))
         assert got == live_entries(plan, plan.device_buffer("cpu"))
         assert got[6] == [x for pages in b[0] for x in pages] and got[0][0] == len(b[3])
+
+
+def test_a_plan_made_before_any_launch_uploads_through_the_library(monkeypatch):
+    """A mirror loads the kernels' library when it is made: a plan preallocated before anything in the process has
+    loaded it uploads by the compiled call, and so does the plan that takes its mirror from the pool once it is
+    freed; a plan from CUDA CSR tensors then keeps its page ids on the device."""
+    import gc
+
+    from pagedwindow import plan as plan_module
+    from pagedwindow.cuda import host_pass
+
+    monkeypatch.setattr(ops, "_by_device", {})  # no library loaded yet, as in a new process
+    monkeypatch.setattr(plan_module, "_MIRROR_POOL", plan_module._MirrorPool())  # mirrors from this test only
+    device = torch.device("cuda", torch.cuda.current_device())
+    first = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=64, max_total_pages=32, max_batch=4, max_tiles=8, cta_tile_q=16, device="cuda"
+    )
+    mirror = first._mirrors[device]
+    assert mirror.lib is not None and host_pass.loaded() is mirror.lib
+    del first
+    gc.collect()
+    csr = [
+        torch.tensor(x, dtype=torch.int32, device="cuda")
+        for x in ([0, 3, 4], [0, 2, 5], [9, 1, 2, 5, 7], [4, 16])  # qo_indptr, page_indptr, page ids, last lens
+    ]
+    plan = pw.PrefillPagedPlan.from_csr(*csr, num_qo_heads=16, num_kv_heads=8, head_dim=D, page_size=16)
+    assert plan._mirrors[device] is mirror, "the new plan did not take the pooled mirror"
+    assert plan.state.device_pages is not None and not plan.state.device_pages.filled
+    got = live_entries(plan, plan.device_buffer("cuda"))
+    assert got[6] == [9, 1, 2, 5, 7]
+    assert not plan.state.device_pages.filled, "the upload read the page ids back to the host"
 
 
 def test_update_does_not_wait_for_the_gpu():

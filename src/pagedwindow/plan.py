@@ -918,8 +918,11 @@ class _DeviceMirror:
         self.staging: list[torch.Tensor | None] = [None] * self.STAGING_BUFFERS  # pinned, made on first use
         self.turn = 0
         # The upload path, fixed for the mirror's life: the compiled upload (``pw_plan_upload``, with CUDA events
-        # it creates and a finalizer destroys) where the kernels' library is loaded, else torch copies and events.
-        self.lib = _loaded_kernels()
+        # it creates and a finalizer destroys) from the kernels' library, loaded here if no plan or launch has yet
+        # (built on first use: the plan's launches need it anyway); torch copies and events only where it cannot
+        # be built or loaded. A mirror made before the library and kept on torch copies would, pooled, hand its
+        # path to later plans: a plan from CUDA CSR tensors would then read its page ids back to upload them.
+        self.lib = _host_pass_library(self.storage.device)
         if self.lib is not None:
             self.event_handles = np.zeros(self.STAGING_BUFFERS, dtype=np.uint64)  # cudaEvent_t, 0: none yet
             self.events_address = self.event_handles.ctypes.data
@@ -1129,13 +1132,6 @@ _current_raw_stream = getattr(
 def _destroy_events(lib, handles: np.ndarray) -> None:
     """A mirror's finalizer: destroy the CUDA events its compiled uploads created."""
     lib.pw_plan_events_destroy(handles.ctypes.data, len(handles))
-
-
-def _loaded_kernels():
-    """The kernels' library when one is loaded in this process (it carries the compiled upload), else None."""
-    from .cuda import host_pass
-
-    return host_pass.loaded()
 
 
 _parsed_devices: dict[str, torch.device] = {}

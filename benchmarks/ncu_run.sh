@@ -5,12 +5,14 @@
 # (default pw_prefill; e.g. pw_decode, pw_prepare_qkv). Clocks are left as the card runs them. PW_SRC: the
 # package directory to profile (default src; e.g. a prior version unpacked beside it).
 # Writes $OUT/ncu-LABEL.txt (the sections), $OUT/ncu-LABEL-hotspots.txt (stall samples per instruction) and
-# $OUT/ncu-LABEL-source.csv.gz (every SASS instruction with its executed count and samples).
+# $OUT/ncu-LABEL-source.csv.gz (every SASS instruction with its executed count and samples). NCU_SAMPLING_INTERVAL:
+# the warp-sampling period, 2^(5 + N) cycles (default auto; 0 for a kernel of a few microseconds).
 set -uo pipefail
 OUT=${OUT:-/tmp/pw-out}
 export PYTHONPATH=${PW_SRC:-$PWD/src}${PYTHONPATH:+:$PYTHONPATH} PAGEDWINDOW_CACHE_DIR=${PAGEDWINDOW_CACHE_DIR:-/tmp/pagedwindow-cache}
 rep=/tmp/ncu-$3
-ncu --clock-control none --kernel-name "regex:${4:-pw_prefill}" --launch-skip 1 --launch-count 1 --import-source no \
+ncu --clock-control none --warp-sampling-interval "${NCU_SAMPLING_INTERVAL:-auto}" \
+  --kernel-name "regex:${4:-pw_prefill}" --launch-skip 1 --launch-count 1 --import-source no \
   --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
   --section SchedulerStats --section WarpStateStats --section SourceCounters --section LaunchStats \
   -f -o "$rep" python3 benchmarks/profile_case.py "$1" "$2" >/dev/null 2>&1 || echo "ncu rc=$?"

@@ -279,7 +279,7 @@ def batch_prefill_paged_window(
         _check_rows(what, "out", out, q_shape, dtype, device)
         _check_writable(what, "out", out, compiling)
     if lse is not None:
-        _check_rows(what, "lse", lse, shape=(rows, state.num_qo_heads), dtype=torch.float32, device=device)
+        _check_rows(what, "lse", lse, (rows, state.num_qo_heads), torch.float32, device)
         _check_writable(what, "lse", lse, compiling)
     written = (out is not None) + (lse is not None)  # the spans of out and lse come first (None ones are skipped)
     spans, address_bits = _memory_spans(compiling, ("out", out), ("lse", lse), ("q", q), ("pool", pool))
@@ -428,7 +428,7 @@ def prepare_paged_qkv(
         ("q_norm_weight", q_norm_weight),
         ("k_norm_weight", k_norm_weight),
     )
-    _check_disjoint(what, spans, 1 if out_q is None else 2)
+    _check_disjoint(what, spans, 1 + (out_q is not None))  # pool, and out_q when given
     chosen = _resolve_backend(what, backend, plan, device, dtype, _addresses(spans), address_bits)
     if out_q is None:
         out_q = torch.empty(q_shape, dtype=q.dtype, device=q.device)

@@ -386,13 +386,15 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
       if (g < t.rows) __stcg(part_lse + g, softmax.lse_log2(0));
       if (g + 8 < t.rows) __stcg(part_lse + g + 8, softmax.lse_log2(1));
     }
-    __threadfence();  // the partial is visible device-wide before the counter says so
+    // The counter: lane 0's release carries the whole warp's partial (ordered before it by __syncwarp) to the
+    // split that acquires the last count; that split's lanes read the others' partials after lane 0's acquire
+    // (ordered by the __syncwarp after the shuffle).
     __syncwarp();
     int arrived = 0;
-    if (lane == 0) arrived = atomicAdd(p.split_counters + item, 1);
+    if (lane == 0) arrived = atomic_add_acq_rel_gpu(p.split_counters + item, 1);
     arrived = __shfl_sync(kFullMask, arrived, 0);
     if (arrived == tile_splits - 1) {  // the last split of this tile: every other partial is written
-      __threadfence();
+      __syncwarp();
       merge_splits(p, t, kv_head, item * splits, tile_splits, reinterpret_cast<float*>(smem + kTileBytes), lane);
       if (lane == 0) p.split_counters[item] = 0;  // ready for the next launch (or graph replay)
     }

@@ -23,6 +23,16 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
+// atomicAdd with acquire-release semantics at GPU scope: the calling thread's earlier writes, and those ordered
+// before it by a barrier it took part in (bar.warp.sync / bar.sync), are visible to whoever acquires the new
+// value; writes the returned value's earlier releasers made are visible to this thread's later reads. Returns
+// the old value. (Lighter than __threadfence(), a sequentially consistent fence, around a relaxed atomic.)
+__device__ __forceinline__ int atomic_add_acq_rel_gpu(int* p, int v) {
+  int old;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {  // ex2.approx(-inf) == +0
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

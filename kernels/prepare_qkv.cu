@@ -12,12 +12,14 @@
 //
 // Work: a persistent grid (the SMs times the CTAs one SM holds) walks units of work, unit u = (token, block of up
 // to kStageBytes of its head rows: q heads, then K heads, then V heads); CTA c takes units c, c + grid, ... up to
-// the device-side total_tokens, so a captured graph stays valid after an in-place plan update. Each CTA keeps
-// kStages - 1 units' rows in flight: cp.async copies them into shared-memory stages while it computes the unit
-// before them, and computes the next unit's rotation table into the other half of a double-buffered table.
-// One __syncthreads per unit hands a stage and a table from the copies to the compute and back. In the compute,
-// a warp takes rows w, w + 8, ...; lane l holds elements [l*E, (l+1)*E) of a row, E = D/32, so lanes 0-15 hold the
-// first half and lane l ^ 16 holds the rotation partner.
+// the device-side total_tokens, so a captured graph stays valid after an in-place plan update. A CTA is one
+// producer warp and kConsumerWarps consumer warps around a ring of kStages stages, each stage a unit's rows, its
+// rotation table and its location, handed over by two mbarriers (full: rows landed, table and location written;
+// empty: every consumer thread is done with it). The producer loads a unit's rows (bulk copies on sm_90, cp.async
+// elsewhere), then looks the unit up in the plan and computes its rotation table while the copies fly, up to
+// kStages units ahead of the consumers. In the compute, consumer warp w takes rows w, w + 8, ...; lane l holds
+// elements [l*E, (l+1)*E) of a row, E = D/32, so lanes 0-15 hold the first half and lane l ^ 16 holds the
+// rotation partner.
 //
 // The rotation table folds the norm's factor f (w or 1 + w) into the angles, per unit and per tensor (q, k):
 // A[i] = f[i] cos a, B[i] = -f[i + D/2] sin a, A[i + D/2] = f[i + D/2] cos a, B[i + D/2] = f[i] sin a (a = a_i),
@@ -33,7 +35,8 @@
 #include <atomic>
 #include <type_traits>
 
-#include "ptx_common.cuh"
+#include "ptx_common.cuh"  // cp.async, the mbarrier operations sm_80 has
+#include "sm90_ptx.cuh"    // PW_SM90_DEVICE_CODE: bulk copies, transaction counts, the watchdog wait
 
 enum PwPrepareStatus {
   PW_PREPARE_OK = 0,
@@ -51,18 +54,43 @@ enum PwPrepareStatus {
 namespace pw_prepare {
 
 constexpr int kWarpSize = 32;
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * kWarpSize;
-constexpr int kCopyBytes = 16;       // one cp.async: a row is D * sizeof(T) >= 128 bytes, a whole number of them
-constexpr int kStageBytes = 16384;   // one unit's head rows (a Gemma 4 local token's 32 rows at bf16, D 256)
-constexpr int kStages = 4;           // units a CTA holds: kStages - 1 in flight while it computes one
-constexpr int kMaxHalf = 256;        // inverse frequencies carried in the launch block: head_dim up to 512
-constexpr int kPartnerLaneXor = 16;  // lane l holds the rotation partner of lane l ^ 16
+constexpr int kConsumerWarps = 8;  // warps 0-7 normalise and rotate; warp 8 loads
+constexpr int kProducerWarp = kConsumerWarps;
+constexpr int kThreads = (kConsumerWarps + 1) * kWarpSize;
+constexpr int kCopyBytes = 16;      // one cp.async: a row is D * sizeof(T) >= 128 bytes, a whole number of them
+constexpr int kStageBytes = 16384;  // one unit's head rows (a Gemma 4 local token's 32 rows at bf16, D 256)
+#ifndef PW_PREPARE_STAGES
+#define PW_PREPARE_STAGES 3
+#endif
+constexpr int kStages = PW_PREPARE_STAGES;  // units a CTA holds: the one computed and up to kStages - 1 landing
+constexpr int kMaxHalf = 256;               // inverse frequencies carried in the launch block: head_dim up to 512
+constexpr int kPartnerLaneXor = 16;         // lane l holds the rotation partner of lane l ^ 16
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr double kInvPi = 0.318309886183790671537767526745;  // 1 / pi
 constexpr int kMaxDevices = 64;
 
-// Head rows in one unit: 8 (fp32, D 512) to 128 (bf16, D 64), always a multiple of kWarps.
+// How the producer loads a unit's rows: bulk copies on sm_90, cp.async elsewhere (and on sm_90 too when built
+// with -DPW_PREPARE_CP_ASYNC_LOADS, so that a Hopper GPU can test that path).
+#if defined(PW_SM90_DEVICE_CODE) && !defined(PW_PREPARE_CP_ASYNC_LOADS)
+#define PW_PREPARE_BULK_LOADS 1
+#else
+#define PW_PREPARE_BULK_LOADS 0
+#endif
+
+// Arrivals that complete a stage's full barrier: each producer lane once its table entries are written, and the
+// rows' landing — one arrive that sets the bulk copies' transaction count, or each lane's cp.async arrive. The
+// empty barrier completes when every consumer thread has arrived.
+#if PW_PREPARE_BULK_LOADS
+constexpr int kFullArrivals = kWarpSize + 1;
+#else
+constexpr int kFullArrivals = 2 * kWarpSize;
+#endif
+// Every consumer thread arrives on `empty` itself, releasing its own reads of the stage: compute-sanitizer's
+// racecheck does not carry a warp's reads through __syncwarp into one lane's arrive (it reports the stage's reuse
+// as a race; benchmarks/racecheck_control.cu shows both), and the per-thread arrive costs no time (runs 77, 80).
+constexpr int kEmptyArrivals = kConsumerWarps * kWarpSize;
+
+// Head rows in one unit: 8 (fp32, D 512) to 128 (bf16, D 64), always a multiple of kConsumerWarps.
 template <typename T, int D>
 __host__ __device__ constexpr int rows_per_unit() {
   return kStageBytes / (D * static_cast<int>(sizeof(T)));
@@ -74,15 +102,22 @@ __host__ __device__ constexpr int table_floats() {
   return 2 * 2 * D;
 }
 
-constexpr int kUnitSlotBytes = 32;  // one published Unit (sizeof(Unit) <= 32, checked in the kernel)
+constexpr int kUnitSlotBytes = 32;  // one Unit (sizeof(Unit) <= 32, checked in the kernel)
 
-// Dynamic shared memory: the stages, the double-buffered rotation table, then two published units.
+// Dynamic shared memory, per stage: the rows [kStages][kStageBytes], the rotation tables [kStages][table], the
+// units' locations [kStages][32 B], then the full and the empty mbarriers [kStages] each.
 template <int D>
-__host__ __device__ constexpr int smem_bytes() {
-  return kStages * kStageBytes + 2 * table_floats<D>() * static_cast<int>(sizeof(float)) + 2 * kUnitSlotBytes;
-}
+struct SmemMap {
+  static constexpr int kTableBytes = table_floats<D>() * static_cast<int>(sizeof(float));
+  static constexpr int kTables = kStages * kStageBytes;
+  static constexpr int kUnits = kTables + kStages * kTableBytes;
+  static constexpr int kFull = kUnits + kStages * kUnitSlotBytes;
+  static constexpr int kEmpty = kFull + kStages * 8;
+  static constexpr int kBytes = kEmpty + kStages * 8;
+};
 
-// CTAs an SM holds (the register cap; shared memory allows 3): 3 up to head_dim 256, 2 at 512.
+// CTAs an SM should hold, which caps the registers: 3 up to head_dim 256, 2 at 512 (Hopper's shared memory holds 3
+// at three stages; smaller parts hold fewer, and the launcher's occupancy query sizes the grid by what fits).
 template <int D>
 __host__ __device__ constexpr int min_blocks_per_sm() {
   return D <= 256 ? 3 : 2;
@@ -114,7 +149,13 @@ struct Params {
   int weight_fp32;  // the norm weights are fp32 (else the tensors' dtype)
   int norm_style;
   float eps;
-  float inv_freq[kMaxHalf];
+};
+
+// RoPE's inverse frequencies, a kernel parameter of their own sized by the head dim, so that the launch carries
+// D / 2 floats rather than the launch block's kMaxHalf.
+template <int D>
+struct RopeFreqs {
+  float inv_freq[D / 2];
 };
 
 template <typename T>
@@ -178,7 +219,8 @@ __device__ __forceinline__ float norm_factor(const void* w, bool fp32, bool gemm
   return gemma4 ? x : 1.0f + x;
 }
 
-// The four factors thread i < D/2 folds into its rotation-table entries, per tensor: f[i] and f[i + D/2].
+// The four factors the producer lane folds into the rotation-table entries of angle i, per tensor: f[i] and
+// f[i + D/2].
 struct Factors {
   float q_lo, q_hi, k_lo, k_hi;
 };
@@ -201,39 +243,49 @@ __device__ __forceinline__ void split_unit(long long u, int units_per_token, int
   *row0 = static_cast<int>(u - static_cast<long long>(*token) * units_per_token) * kRowsPerUnit;
 }
 
-// Copy unit u's rows into a stage: chunk c of the unit (row c / kChunksPerRow) lands at byte 16 c of the stage.
-// A thread copies one column of chunks, in rows kRowStep apart; each row's source is found from the token's
-// q, k and v rows without a division.
+// The first byte of head row h (q heads, then K heads, then V heads) of token t.
+template <typename T, int D>
+__device__ __forceinline__ const char* row_source(const Params& p, TokenRows r, int t, int h) {
+  constexpr long long kRowBytes = D * static_cast<long long>(sizeof(T));
+  if (h < r.hq) return static_cast<const char*>(p.q) + (static_cast<long long>(t) * r.hq + h) * kRowBytes;
+  if (h < r.hq + r.hkv)
+    return static_cast<const char*>(p.k) + (static_cast<long long>(t) * r.hkv + h - r.hq) * kRowBytes;
+  return static_cast<const char*>(p.v) + (static_cast<long long>(t) * r.hkv + h - r.hq - r.hkv) * kRowBytes;
+}
+
+// Load unit u's rows into a stage (the unit's row i at byte i * kRowBytes), landing on the stage's full
+// barrier. Run by the producer warp. The unit's rows [row0, row0 + n) of its token are up to three runs, each
+// contiguous in its tensor (q heads, K heads, V heads): with bulk loads lane 0 sets the transaction count and
+// lanes 0-2 issue one run's bulk copy each; else lane l copies the unit's 16-byte chunks l, l + 32, ... by
+// cp.async and arrives when they land.
 template <typename T, int D, int kRowsPerUnit>
-__device__ __forceinline__ void copy_unit(const Params& p, TokenRows r, long long u, int units_per_token,
-                                          uint32_t stage) {
+__device__ __forceinline__ void load_unit(const Params& p, TokenRows r, long long u, int units_per_token,
+                                          uint32_t stage, uint32_t full, int lane) {
   constexpr int kRowBytes = D * static_cast<int>(sizeof(T));
-  constexpr int kChunksPerRow = kRowBytes / kCopyBytes;
-  static_assert(kThreads % kChunksPerRow == 0, "a thread copies one column of chunks");
-  constexpr int kRowStep = kThreads / kChunksPerRow;
-  static_assert(kRowsPerUnit % kRowStep == 0, "the passes below cover every row of a unit");
   int t, row0;
   split_unit<kRowsPerUnit>(u, units_per_token, &t, &row0);
   const int n = min(kRowsPerUnit, r.count() - row0);
-  const int col = threadIdx.x % kChunksPerRow;
-  const long long byte = static_cast<long long>(col) * kCopyBytes;
-  const char* const q_t = static_cast<const char*>(p.q) + static_cast<long long>(t) * r.hq * kRowBytes + byte;
-  const char* const k_t = static_cast<const char*>(p.k) + static_cast<long long>(t) * r.hkv * kRowBytes + byte;
-  const char* const v_t = static_cast<const char*>(p.v) + static_cast<long long>(t) * r.hkv * kRowBytes + byte;
-#pragma unroll
-  for (int i = 0; i < kRowsPerUnit / kRowStep; ++i) {
-    const int row = threadIdx.x / kChunksPerRow + i * kRowStep;
-    if (row >= n) break;
-    const int h = row0 + row;
-    const char* const src = h < r.hq           ? q_t + static_cast<long long>(h) * kRowBytes
-                            : h < r.hq + r.hkv ? k_t + static_cast<long long>(h - r.hq) * kRowBytes
-                                               : v_t + static_cast<long long>(h - r.hq - r.hkv) * kRowBytes;
-    pw_ptx::cp_async_16(stage + (row * kChunksPerRow + col) * kCopyBytes, src, kCopyBytes);
+#if PW_PREPARE_BULK_LOADS
+  if (lane == 0) pw_ptx::mbar_arrive_expect_tx(full, static_cast<uint32_t>(n * kRowBytes));
+  __syncwarp();
+  if (lane < 3) {  // run `lane`: the token's rows [first, last) of its tensor, clipped to the unit
+    const int first = max(row0, lane == 0 ? 0 : lane == 1 ? r.hq : r.hq + r.hkv);
+    const int last = min(row0 + n, lane == 0 ? r.hq : lane == 1 ? r.hq + r.hkv : r.count());
+    if (first < last)
+      pw_ptx::bulk_load(stage + (first - row0) * kRowBytes, row_source<T, D>(p, r, t, first),
+                        static_cast<uint32_t>((last - first) * kRowBytes), full);
   }
+#else
+  constexpr int kChunksPerRow = kRowBytes / kCopyBytes;
+  for (int c = lane; c < n * kChunksPerRow; c += kWarpSize) {
+    const char* const src = row_source<T, D>(p, r, t, row0 + c / kChunksPerRow) + (c % kChunksPerRow) * kCopyBytes;
+    pw_ptx::cp_async_16(stage + c * kCopyBytes, src, kCopyBytes);
+  }
+  pw_ptx::cp_async_mbar_arrive(full);
+#endif
 }
 
-// Where one unit's rows go, from the plan. The warps that fill the rotation tables find it; thread 0 publishes
-// it in shared memory for the others.
+// Where one unit's rows go, from the plan (the producer finds it and stores it beside the unit's stage).
 struct Unit {
   int token, row0;
   int pos;         // the token's KV position; -1 when the plan does not place it (then nothing is written)
@@ -268,177 +320,225 @@ __device__ __forceinline__ Unit locate(const Params& p, TokenRows r, long long u
   return a;
 }
 
-// The rotation table of KV position pos (layout: table_floats). Thread i < D/2 takes angle i: float(pos) *
-// inv_freq[i], the fp32 angle the math defines, with its cos and sin in fp64 through half-turns (the reduction
-// mod 2 is exact, so no large-argument path and no stack frame at any position), rounded to fp32 and multiplied
-// by the factors in `f` (thread i's own).
+// The rotation table of KV position pos (layout: table_floats), filled by the producer warp: lane l takes the
+// angles i = l, l + 32, ... < D/2: float(pos) * inv_freq[i], the fp32 angle the math defines, with its cos and
+// sin in fp64 through half-turns (the reduction mod 2 is exact, so no large-argument path and no stack frame at
+// any position), rounded to fp32 and multiplied by the lane's factors f[j] of angle l + 32 j.
 template <int D>
-__device__ __forceinline__ void fill_table(const Params& p, int pos, const Factors& f, float* table) {
+__device__ __forceinline__ void fill_table(const RopeFreqs<D>& rope, int pos, const Factors (&f)[D / 2 / kWarpSize],
+                                           float* table, int lane) {
   constexpr int kHalf = D / 2;
-  const int i = threadIdx.x;
-  if (i >= kHalf) return;
-  const float angle = static_cast<float>(pos) * p.inv_freq[i];
-  const double half_turns = static_cast<double>(angle) * kInvPi;
-  const double reduced = half_turns - 2.0 * rint(0.5 * half_turns);  // in [-1, 1]
-  double sd, cd;
-  sincospi(reduced, &sd, &cd);
-  const float c = static_cast<float>(cd), s = static_cast<float>(sd);
   float* const q_a = table;  // [D] A, then [D] B, for q; the same for k after them
   float* const q_b = q_a + D;
   float* const k_a = q_b + D;
   float* const k_b = k_a + D;
-  q_a[i] = f.q_lo * c;
-  q_a[i + kHalf] = f.q_hi * c;
-  q_b[i] = -f.q_hi * s;
-  q_b[i + kHalf] = f.q_lo * s;
-  k_a[i] = f.k_lo * c;
-  k_a[i + kHalf] = f.k_hi * c;
-  k_b[i] = -f.k_hi * s;
-  k_b[i + kHalf] = f.k_lo * s;
+#pragma unroll
+  for (int j = 0; j < kHalf / kWarpSize; ++j) {
+    const int i = lane + j * kWarpSize;
+    const float angle = static_cast<float>(pos) * rope.inv_freq[i];
+    const double half_turns = static_cast<double>(angle) * kInvPi;
+    const double reduced = half_turns - 2.0 * rint(0.5 * half_turns);  // in [-1, 1]
+    double sd, cd;
+    sincospi(reduced, &sd, &cd);
+    const float c = static_cast<float>(cd), s = static_cast<float>(sd);
+    q_a[i] = f[j].q_lo * c;
+    q_a[i + kHalf] = f[j].q_hi * c;
+    q_b[i] = -f[j].q_hi * s;
+    q_b[i + kHalf] = f[j].q_lo * s;
+    k_a[i] = f[j].k_lo * c;
+    k_a[i + kHalf] = f[j].k_hi * c;
+    k_b[i] = -f[j].k_hi * s;
+    k_b[i + kHalf] = f[j].k_lo * s;
+  }
+}
+
+// Wait until the phase with parity `parity` of the mbarrier at `bar` has completed (on sm_90 with the
+// pipeline watchdog of sm90_ptx.cuh).
+__device__ __forceinline__ void wait_phase(uint32_t bar, uint32_t parity) {
+#ifdef PW_SM90_DEVICE_CODE
+  pw_ptx::mbar_wait<true>(bar, parity);
+#else
+  while (!pw_ptx::mbar_probe<false>(bar, parity)) {
+  }
+#endif
+}
+
+// A CTA's shared memory as the two roles see it.
+template <int D>
+struct Ring {
+  uint32_t base;  // shared address of the rows of stage 0
+  unsigned char* smem;
+  __device__ __forceinline__ uint32_t stage_rows(int s) const { return base + s * kStageBytes; }
+  __device__ __forceinline__ float* table(int s) const {
+    return reinterpret_cast<float*>(smem + SmemMap<D>::kTables) + s * table_floats<D>();
+  }
+  __device__ __forceinline__ Unit* unit(int s) const {
+    return reinterpret_cast<Unit*>(smem + SmemMap<D>::kUnits + s * kUnitSlotBytes);
+  }
+  __device__ __forceinline__ uint32_t full(int s) const { return base + SmemMap<D>::kFull + 8 * s; }
+  __device__ __forceinline__ uint32_t empty(int s) const { return base + SmemMap<D>::kEmpty + 8 * s; }
+};
+
+// The work both roles walk: this CTA's units u, u + grid, ... < units.
+struct Walk {
+  TokenRows r;
+  int units_per_token, batch;
+  long long first, units, grid;
+};
+
+// The producer warp: for each unit, wait until its stage is free, start the rows' copies, look the unit up in
+// the plan and write its location and rotation table while they fly, then arrive on the stage's full barrier.
+template <typename T, int D>
+__device__ __forceinline__ void produce(const Params& p, const RopeFreqs<D>& rope, const Walk& w, const Ring<D>& ring,
+                                        int lane) {
+  constexpr int kRowsPerUnit = rows_per_unit<T, D>();
+  constexpr int kHalf = D / 2;
+  Factors f[kHalf / kWarpSize];  // this lane's factors, for every unit's table
+  const bool fp32 = p.weight_fp32 != 0, gemma4 = p.norm_style == kGemma4;
+#pragma unroll
+  for (int j = 0; j < kHalf / kWarpSize; ++j) {
+    const int i = lane + j * kWarpSize;
+    f[j].q_lo = norm_factor<T>(p.q_weight, fp32, gemma4, i);
+    f[j].q_hi = norm_factor<T>(p.q_weight, fp32, gemma4, i + kHalf);
+    f[j].k_lo = norm_factor<T>(p.k_weight, fp32, gemma4, i);
+    f[j].k_hi = norm_factor<T>(p.k_weight, fp32, gemma4, i + kHalf);
+  }
+  int s = 0;
+  uint32_t phase = 0;
+  for (long long u = w.first; u < w.units; u += w.grid) {
+    wait_phase(ring.empty(s), phase ^ 1);  // a fresh barrier counts its phase before the first as completed
+    load_unit<T, D, kRowsPerUnit>(p, w.r, u, w.units_per_token, ring.stage_rows(s), ring.full(s), lane);
+    const Unit a = locate<D, kRowsPerUnit>(p, w.r, u, w.units_per_token, w.batch);
+    if (lane == 0) *ring.unit(s) = a;
+    if (a.valid()) fill_table<D>(rope, a.pos, f, ring.table(s), lane);
+    pw_ptx::mbar_arrive(ring.full(s));
+    if (++s == kStages) s = 0, phase ^= 1;
+  }
+#if !PW_PREPARE_BULK_LOADS
+  pw_ptx::cp_async_wait_all();  // leave no copy in flight behind an exiting thread (bulk copies land on `full`)
+#endif
+}
+
+// One consumer warp's share of a unit: its rows warp, warp + 8, ... in three passes over all of them (loads and
+// squares, the butterfly sums, then norm, RoPE and store), so the rows' shuffles and loads overlap. (The rows
+// stay in the stage between the passes: reading them twice costs less than holding them.)
+template <typename T, int D>
+__device__ __forceinline__ void normalise_and_rotate(const Params& p, TokenRows r, const Unit& cur, const T* stage,
+                                                     const float* unit_table, int warp, int lane) {
+  constexpr int E = D / kWarpSize;  // elements per lane
+  constexpr int kRowsPerUnit = rows_per_unit<T, D>();
+  constexpr int kRowsPerWarp = kRowsPerUnit / kConsumerWarps;
+  using Row = Chunk<T, E>;
+  const int c0 = lane * E;  // this lane's first element of a row
+  const bool gemma4 = p.norm_style == kGemma4;
+  const int rows = min(kRowsPerUnit, r.count() - cur.row0);
+  // This lane's chunk of the warp's first row in the stage; row warp + b * 8 is b * 8 * D on.
+  const T* const warp_rows = stage + warp * D + c0;
+  float sum_sq[kRowsPerWarp];
+#pragma unroll
+  for (int b = 0; b < kRowsPerWarp; ++b) {
+    const int lr = warp + b * kConsumerWarps;  // warp-uniform
+    sum_sq[b] = 0.0f;
+    if (lr < rows) {
+      float x[E];
+      to_floats<T, E>(*reinterpret_cast<const Row*>(warp_rows + b * kConsumerWarps * D), x);
+#pragma unroll
+      for (int j = 0; j < E; ++j) sum_sq[b] += x[j] * x[j];
+    }
+  }
+#pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) {
+#pragma unroll
+    for (int b = 0; b < kRowsPerWarp; ++b) sum_sq[b] += __shfl_xor_sync(kFullMask, sum_sq[b], offset);
+  }
+  T* const q_out = static_cast<T*>(p.q_out) + static_cast<long long>(cur.token) * r.hq * D + c0;  // [hq, D]
+  T* const k_slot = static_cast<T*>(p.pool) + cur.slot + p.k_offset + c0;                         // [hkv, D]
+  T* const v_slot = static_cast<T*>(p.pool) + cur.slot + p.v_offset + c0;
+#pragma unroll
+  for (int b = 0; b < kRowsPerWarp; ++b) {
+    const int lr = warp + b * kConsumerWarps;
+    if (lr >= rows) break;
+    const int h = cur.row0 + lr;
+    const bool is_q = h < r.hq, is_v = h >= r.hq + r.hkv;
+    Row* const dst = reinterpret_cast<Row*>(is_q   ? q_out + h * D
+                                            : is_v ? v_slot + (h - r.hq - r.hkv) * D
+                                                   : k_slot + (h - r.hq) * D);
+    const Row raw = *reinterpret_cast<const Row*>(warp_rows + b * kConsumerWarps * D);
+    if (is_v && !gemma4) {  // gemma3: V is written as given
+      *dst = raw;
+      continue;
+    }
+    const float inv_rms = rsqrtf(sum_sq[b] / static_cast<float>(D) + p.eps);
+    Row y;
+    float x[E];
+    to_floats<T, E>(raw, x);
+    if (is_v) {
+#pragma unroll
+      for (int j = 0; j < E; ++j) y.v[j] = Convert<T>::from_float(x[j] * inv_rms);
+    } else {  // warp-uniform branch: every lane of the warp shuffles with its partner
+      float xp[E];
+      to_floats<T, E>(partner_chunk<T, E>(raw), xp);
+      const float* const rot_a = unit_table + (is_q ? 0 : 2 * D) + c0;  // A, then B D floats later
+      const float* const rot_b = rot_a + D;
+#pragma unroll
+      for (int j = 0; j < E; ++j) y.v[j] = Convert<T>::from_float((x[j] * rot_a[j] + xp[j] * rot_b[j]) * inv_rms);
+    }
+    *dst = y;
+  }
+}
+
+// A consumer warp: for each unit, wait for its stage, normalise, rotate and store its share of the rows, then
+// hand the stage back (one arrive per thread).
+template <typename T, int D>
+__device__ __forceinline__ void consume(const Params& p, const Walk& w, const Ring<D>& ring, int warp, int lane) {
+  const T* const rows = reinterpret_cast<const T*>(ring.smem);
+  int s = 0;
+  uint32_t phase = 0;
+  for (long long u = w.first; u < w.units; u += w.grid) {
+    wait_phase(ring.full(s), phase);
+    const Unit cur = *ring.unit(s);
+    if (cur.valid())
+      normalise_and_rotate<T, D>(p, w.r, cur, rows + s * (kStageBytes / sizeof(T)), ring.table(s), warp, lane);
+    pw_ptx::mbar_arrive(ring.empty(s));
+    if (++s == kStages) s = 0, phase ^= 1;
+  }
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads, min_blocks_per_sm<D>()) pw_prepare_qkv_kernel(const Params p) {
-  constexpr int E = D / kWarpSize;  // elements per lane
-  constexpr int kHalf = D / 2;
+__global__ void __launch_bounds__(kThreads, min_blocks_per_sm<D>())
+    pw_prepare_qkv_kernel(const Params p, const __grid_constant__ RopeFreqs<D> rope) {
   constexpr int kRowsPerUnit = rows_per_unit<T, D>();
-  constexpr int kRowsPerWarp = kRowsPerUnit / kWarps;
-  constexpr int kTable = table_floats<D>();
-  static_assert(kHalf <= kThreads, "one thread per angle");
-  using Row = Chunk<T, E>;
-  extern __shared__ __align__(16) unsigned char smem[];
-  T* const stages = reinterpret_cast<T*>(smem);                                 // [kStages][kRowsPerUnit][D]
-  float* const table = reinterpret_cast<float*>(smem + kStages * kStageBytes);  // [2][q, k][A, B][D]
-  Unit* const slots = reinterpret_cast<Unit*>(table + 2 * kTable);              // [2] units n and n + 1
+  static_assert(D / 2 % kWarpSize == 0, "the producer's lanes share the angles evenly");
+  static_assert(kRowsPerUnit % kConsumerWarps == 0, "the consumer warps share a unit's rows evenly");
   static_assert(sizeof(Unit) <= kUnitSlotBytes, "a unit fits its slot");
-  constexpr int kTableThreads = (kHalf + kWarpSize - 1) / kWarpSize * kWarpSize;  // the warps that fill tables
+  extern __shared__ __align__(128) unsigned char smem[];
 
   const int total = min(p.plan_scalars[1], p.token_capacity);
   const int batch = min(p.plan_scalars[0], p.batch_capacity);
   if (total <= 0 || batch <= 0) return;
   const TokenRows r{p.num_qo_heads, p.num_kv_heads};
   const int units_per_token = (r.count() + kRowsPerUnit - 1) / kRowsPerUnit;
-  const long long units = static_cast<long long>(total) * units_per_token;
-  const long long grid = gridDim.x;
-  long long u = blockIdx.x;
-  if (u >= units) return;
+  const Walk w{r, units_per_token, batch, blockIdx.x, static_cast<long long>(total) * units_per_token, gridDim.x};
+  if (w.first >= w.units) return;
 
-  // Prologue: kStages - 1 units in flight before the first plan lookup and rotation table.
-  const uint32_t stage0 = pw_ptx::smem_addr(stages);
-#pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    const long long us = u + s * grid;
-    if (us < units) copy_unit<T, D, kRowsPerUnit>(p, r, us, units_per_token, stage0 + s * kStageBytes);
-    pw_ptx::cp_async_commit();
+  const Ring<D> ring{pw_ptx::smem_addr(smem), smem};
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      pw_ptx::mbar_init(ring.full(s), kFullArrivals);
+      pw_ptx::mbar_init(ring.empty(s), kEmptyArrivals);
+    }
+#if PW_PREPARE_BULK_LOADS
+    pw_ptx::mbar_init_fence();  // the bulk copies (the async proxy) complete on them
+#endif
   }
+  __syncthreads();
 
-  // The warp index broadcast from lane 0, so that the compiler knows it is warp-uniform (the rows' branches below
-  // then need no reconvergence).
+  // The warp index broadcast from lane 0, so that the compiler knows it is warp-uniform (the roles' and the
+  // rows' branches then need no reconvergence).
   const int warp = __shfl_sync(kFullMask, static_cast<int>(threadIdx.x / kWarpSize), 0);
   const int lane = threadIdx.x % kWarpSize;
-  const int c0 = lane * E;  // this lane's first element of a row
-  const bool gemma4 = p.norm_style == kGemma4;
-  Factors f{};  // thread i < D/2's factors, for every unit's table
-  if (threadIdx.x < kHalf) {
-    const bool fp32 = p.weight_fp32 != 0;
-    f.q_lo = norm_factor<T>(p.q_weight, fp32, gemma4, threadIdx.x);
-    f.q_hi = norm_factor<T>(p.q_weight, fp32, gemma4, threadIdx.x + kHalf);
-    f.k_lo = norm_factor<T>(p.k_weight, fp32, gemma4, threadIdx.x);
-    f.k_hi = norm_factor<T>(p.k_weight, fp32, gemma4, threadIdx.x + kHalf);
-  }
-
-  // The table warps locate each unit (they need its position for the table); thread 0 publishes it in slot n & 1,
-  // read by every thread after the loop's barrier, so the other warps skip the plan lookups.
-  const bool locates = threadIdx.x < kTableThreads;  // warp-uniform
-  if (locates) {
-    const Unit first = locate<D, kRowsPerUnit>(p, r, u, units_per_token, batch);
-    if (threadIdx.x == 0) slots[0] = first;
-    if (first.valid()) fill_table<D>(p, first.pos, f, table);  // published by the loop's first barrier
-  }
-
-  for (int n = 0; u < units; ++n, u += grid) {
-    pw_ptx::cp_async_wait<kStages - 2>();  // this thread's copies of unit n have landed
-    __syncthreads();                       // everyone's have; the table of unit n is written; unit n - 1 is computed
-    {
-      const long long ua = u + (kStages - 1) * grid;  // into the stage unit n - 1 used
-      if (ua < units)
-        copy_unit<T, D, kRowsPerUnit>(p, r, ua, units_per_token, stage0 + ((n + kStages - 1) % kStages) * kStageBytes);
-      pw_ptx::cp_async_commit();
-    }
-
-    const Unit cur = slots[n & 1];
-    // The next unit's plan lookups are issued before this unit's compute and used after it, so their latency
-    // overlaps it.
-    Unit next;
-    next.pos = -1;
-    if (locates && u + grid < units) next = locate<D, kRowsPerUnit>(p, r, u + grid, units_per_token, batch);
-
-    if (cur.valid()) {
-      const int rows = min(kRowsPerUnit, r.count() - cur.row0);
-      // This lane's chunk of the warp's first row in the unit's stage; row warp + b * kWarps is b * kWarps * D on.
-      const T* const warp_rows = stages + (n % kStages) * (kStageBytes / sizeof(T)) + warp * D + c0;
-      const float* const unit_table = table + (n & 1) * kTable;
-      // This warp's rows w, w + 8, ... in three passes over all of them (loads and squares, the butterfly sums,
-      // then norm, RoPE and store), so the rows' shuffles and loads overlap.
-      // (The rows stay in the stage between the passes: reading them twice costs less than holding them.)
-      float sum_sq[kRowsPerWarp];
-#pragma unroll
-      for (int b = 0; b < kRowsPerWarp; ++b) {
-        const int lr = warp + b * kWarps;  // warp-uniform
-        sum_sq[b] = 0.0f;
-        if (lr < rows) {
-          float x[E];
-          to_floats<T, E>(*reinterpret_cast<const Row*>(warp_rows + b * kWarps * D), x);
-#pragma unroll
-          for (int j = 0; j < E; ++j) sum_sq[b] += x[j] * x[j];
-        }
-      }
-#pragma unroll
-      for (int offset = kWarpSize / 2; offset > 0; offset >>= 1) {
-#pragma unroll
-        for (int b = 0; b < kRowsPerWarp; ++b) sum_sq[b] += __shfl_xor_sync(kFullMask, sum_sq[b], offset);
-      }
-      T* const q_out = static_cast<T*>(p.q_out) + static_cast<long long>(cur.token) * r.hq * D + c0;  // [hq, D]
-      T* const k_slot = static_cast<T*>(p.pool) + cur.slot + p.k_offset + c0;                         // [hkv, D]
-      T* const v_slot = static_cast<T*>(p.pool) + cur.slot + p.v_offset + c0;
-#pragma unroll
-      for (int b = 0; b < kRowsPerWarp; ++b) {
-        const int lr = warp + b * kWarps;
-        if (lr >= rows) break;
-        const int h = cur.row0 + lr;
-        const bool is_q = h < r.hq, is_v = h >= r.hq + r.hkv;
-        Row* const dst = reinterpret_cast<Row*>(is_q   ? q_out + h * D
-                                                : is_v ? v_slot + (h - r.hq - r.hkv) * D
-                                                       : k_slot + (h - r.hq) * D);
-        const Row raw = *reinterpret_cast<const Row*>(warp_rows + b * kWarps * D);
-        if (is_v && !gemma4) {  // gemma3: V is written as given
-          *dst = raw;
-          continue;
-        }
-        const float inv_rms = rsqrtf(sum_sq[b] / static_cast<float>(D) + p.eps);
-        Row y;
-        float x[E];
-        to_floats<T, E>(raw, x);
-        if (is_v) {
-#pragma unroll
-          for (int j = 0; j < E; ++j) y.v[j] = Convert<T>::from_float(x[j] * inv_rms);
-        } else {  // warp-uniform branch: every lane of the warp shuffles with its partner
-          float xp[E];
-          to_floats<T, E>(partner_chunk<T, E>(raw), xp);
-          const float* const rot_a = unit_table + (is_q ? 0 : 2 * D) + c0;  // A, then B D floats later
-          const float* const rot_b = rot_a + D;
-#pragma unroll
-          for (int j = 0; j < E; ++j) y.v[j] = Convert<T>::from_float((x[j] * rot_a[j] + xp[j] * rot_b[j]) * inv_rms);
-        }
-        *dst = y;
-      }
-    }
-
-    // The next unit, and its rotation table, into the slot and the half of the table unit n - 1 used (both
-    // published by the next iteration's barrier).
-    if (threadIdx.x == 0) slots[(n + 1) & 1] = next;
-    if (next.valid()) fill_table<D>(p, next.pos, f, table + ((n + 1) & 1) * kTable);
-  }
+  if (warp == kProducerWarp) produce<T, D>(p, rope, w, ring, lane);
+  else consume<T, D>(p, w, ring, warp, lane);
 }
 
 // Opt the kernel into its shared memory and find how many CTAs the device holds at once, once per device.
@@ -453,7 +553,7 @@ static int resident_ctas(int device, int* ctas) {
     }
   }
   const auto kernel = pw_prepare_qkv_kernel<T, D>;
-  constexpr int bytes = smem_bytes<D>();
+  constexpr int bytes = SmemMap<D>::kBytes;
   int sms = 0, per_sm = 0;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e == cudaSuccess)
@@ -468,7 +568,7 @@ static int resident_ctas(int device, int* ctas) {
 }
 
 template <typename T, int D>
-static int launch(const Params& p, cudaStream_t stream) {
+static int launch(const Params& p, const float* inv_freq, cudaStream_t stream) {
   int device = 0, ctas = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return static_cast<int>(e);
@@ -478,17 +578,19 @@ static int launch(const Params& p, cudaStream_t stream) {
   const long long units_per_token = (p.num_qo_heads + 2LL * p.num_kv_heads + kRowsPerUnit - 1) / kRowsPerUnit;
   const long long capacity_units = units_per_token * p.token_capacity;
   const unsigned grid = static_cast<unsigned>(capacity_units < ctas ? capacity_units : ctas);
-  pw_prepare_qkv_kernel<T, D><<<grid, kThreads, smem_bytes<D>(), stream>>>(p);
+  RopeFreqs<D> rope;
+  for (int i = 0; i < D / 2; ++i) rope.inv_freq[i] = inv_freq[i];
+  pw_prepare_qkv_kernel<T, D><<<grid, kThreads, SmemMap<D>::kBytes, stream>>>(p, rope);
   return static_cast<int>(cudaGetLastError());
 }
 
 template <typename T>
-static int launch_for_head_dim(const Params& p, int head_dim, cudaStream_t stream) {
+static int launch_for_head_dim(const Params& p, int head_dim, const float* inv_freq, cudaStream_t stream) {
   switch (head_dim) {
-    case 64: return launch<T, 64>(p, stream);
-    case 128: return launch<T, 128>(p, stream);
-    case 256: return launch<T, 256>(p, stream);
-    default: return launch<T, 512>(p, stream);
+    case 64: return launch<T, 64>(p, inv_freq, stream);
+    case 128: return launch<T, 128>(p, inv_freq, stream);
+    case 256: return launch<T, 256>(p, inv_freq, stream);
+    default: return launch<T, 512>(p, inv_freq, stream);
   }
 }
 
@@ -590,13 +692,12 @@ extern "C" int pw_prepare_qkv(const PwPrepareLaunch* a, void* stream) {
   p.weight_fp32 = a->weight_fp32 ? 1 : 0;
   p.norm_style = a->norm_style;
   p.eps = a->eps;
-  for (int i = 0; i < kMaxHalf; ++i) p.inv_freq[i] = i < head_dim / 2 ? a->inv_freq[i] : 0.0f;
 
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (a->dtype) {
-    case 0: return launch_for_head_dim<__nv_bfloat16>(p, head_dim, s);
-    case 1: return launch_for_head_dim<__half>(p, head_dim, s);
-    default: return launch_for_head_dim<float>(p, head_dim, s);
+    case 0: return launch_for_head_dim<__nv_bfloat16>(p, head_dim, a->inv_freq, s);
+    case 1: return launch_for_head_dim<__half>(p, head_dim, a->inv_freq, s);
+    default: return launch_for_head_dim<float>(p, head_dim, a->inv_freq, s);
   }
 }
 

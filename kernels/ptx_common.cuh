@@ -1,5 +1,5 @@
 // pagedwindow: PTX helpers the kernels share (prefill_hd256.cu, prefill_hd256_sm90.cu, decode_hd256.cu,
-// prepare_qkv.cu). The sm_90-only ones (mbarriers, bulk copies, wgmma, ...) are in sm90_ptx.cuh.
+// prepare_qkv.cu). The sm_90-only ones (transaction counts, bulk copies, wgmma, ...) are in sm90_ptx.cuh.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -21,6 +21,40 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+// Wait for every copy this thread issued, committed or not (those tracked by an mbarrier included).
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// mbarriers (sm_80 and later; the sm_90 operations — transaction counts, the watchdog wait, the init fence — are in
+// sm90_ptx.cuh).
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
+}
+// One probe: has the phase with parity `parity` completed? (acquire, CTA scope) mbarrier.test_wait answers at
+// once (sm_80); kSuspend: mbarrier.try_wait, which may first suspend the thread a while (sm_90).
+template <bool kSuspend>
+__device__ __forceinline__ bool mbar_probe(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  if constexpr (kSuspend) {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+  } else {
+    asm volatile("{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+  }
+  return done != 0;
+}
+// Arrive on the mbarrier once all of this thread's prior cp.async copies have landed (counts as one of the
+// barrier's expected arrivals: .noinc).
+__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
 // atomicAdd with acquire-release semantics at GPU scope: the calling thread's earlier writes, and those ordered

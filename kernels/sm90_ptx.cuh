@@ -1,8 +1,9 @@
-// pagedwindow: the sm_90 PTX the Hopper prefill kernel (prefill_hd256_sm90.cu) uses, one thin wrapper per
-// instruction: mbarriers (with the wait's watchdog), cp.async and bulk tensor copies that complete on an
-// mbarrier, the async-proxy fence, named barriers, setmaxnreg, and wgmma (fence / commit / wait, shared-memory
-// descriptors, the three instruction shapes the kernel issues). The PTX both prefill kernels use (cp.async,
-// ldmatrix, mma.sync, bf16 packing, shared loads and stores) is in ptx_common.cuh.
+// pagedwindow: the sm_90 PTX the Hopper prefill kernel (prefill_hd256_sm90.cu) and the prep kernel
+// (prepare_qkv.cu) use, one thin wrapper per instruction: mbarrier transaction counts and waits (with the wait's
+// watchdog), bulk and bulk tensor copies that complete on an mbarrier, the async-proxy fence, named barriers,
+// setmaxnreg, and wgmma (fence / commit / wait, shared-memory descriptors, the three instruction shapes the kernel
+// issues). The PTX sm_80 has too (cp.async, the plain mbarrier operations, ldmatrix, mma.sync, bf16 packing,
+// shared loads and stores) is in ptx_common.cuh.
 //
 // Everything here exists only in the sm_90a device pass (PW_SM90_DEVICE_CODE); the sm_80 / sm_89 builds and
 // the host pass see none of it.
@@ -11,6 +12,8 @@
 #include <stdint.h>
 
 #include <cuda.h>  // CUtensorMap
+
+#include "ptx_common.cuh"  // smem_addr, cp.async, and the mbarrier operations sm_80 has
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define PW_SM90_DEVICE_CODE 1
@@ -28,29 +31,14 @@ namespace pw_ptx {  // continues ptx_common.cuh's namespace
 constexpr uint32_t kWatchdogTicks = 4;
 
 // ----------------------------------------------------------------------------------------------- mbarriers
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
 // Make the barriers' initialisation visible to the other threads (and the async proxy) before any use.
 __device__ __forceinline__ void mbar_init_fence() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.shared::cta.b64 st, [%0];\n}\n" ::"r"(bar) : "memory");
 }
 // Arrive once on the mbarrier and raise its expected transaction count by `bytes`.
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("{\n.reg .b64 st;\nmbarrier.arrive.expect_tx.shared::cta.b64 st, [%0], %1;\n}\n" ::"r"(bar), "r"(bytes)
                : "memory");
-}
-// One probe: has the phase with parity `parity` completed? (acquire, CTA scope)
-__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
-               : "=r"(done)
-               : "r"(bar), "r"(parity)
-               : "memory");
-  return done != 0;
 }
 // Upper 32 bits of the global nanosecond timer (one tick = 2^32 ns = 4.29 s).
 __device__ __forceinline__ uint32_t globaltimer_hi() {
@@ -65,10 +53,10 @@ __device__ __forceinline__ uint32_t globaltimer_hi() {
 // trap inside their wgmma pipeline makes ptxas serialise the wgmmas and spill.
 template <bool kTrap>
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  if (mbar_try_wait(bar, parity)) return;
+  if (mbar_probe<true>(bar, parity)) return;
 #if PW_SM90_WATCHDOG
   const uint32_t t0 = globaltimer_hi();
-  while (!mbar_try_wait(bar, parity)) {
+  while (!mbar_probe<true>(bar, parity)) {
     if (globaltimer_hi() - t0 > kWatchdogTicks) {
       if constexpr (kTrap) {
         __trap();
@@ -79,18 +67,20 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     }
   }
 #else
-  while (!mbar_try_wait(bar, parity)) {
+  while (!mbar_probe<true>(bar, parity)) {
   }
 #endif
 }
 
 
 // ------------------------------------------------------------------------------ copies that land on an mbarrier
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-// Arrive on the mbarrier once all of this thread's prior cp.async copies have landed (counts as one of the
-// barrier's expected arrivals: .noinc).
-__device__ __forceinline__ void cp_async_mbar_arrive(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+
+// Bulk copy (no tensor map) of `bytes` contiguous bytes into shared memory, completing `bytes` of the mbarrier's
+// transaction count. Both addresses 16-byte aligned, `bytes` a multiple of 16.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
 }
 
 // Bulk tensor copy (TMA) of one box of the 4-D pool view {head dim, kv head, slot, page} into shared memory,

@@ -12,9 +12,9 @@ import re
 import sys
 
 import torch
+from workload_names import attention_workload  # beside this script
 
 from pagedwindow import bench, bench_prep
-from pagedwindow.bench_sweep import sweep_slices
 
 
 def make_call(name: str, tile: int | None):
@@ -23,14 +23,16 @@ def make_call(name: str, tile: int | None):
     if name in bench_prep.PREP_WORKLOADS:
         w = bench_prep.PREP_WORKLOADS[name]
         return bench_prep.system_pagedwindow(w, bench_prep.make_prep_inputs(w, gen, device)).call
-    workloads = {**bench.WORKLOADS, **{w.name: w for w in bench.sweep_workloads(sweep_slices())}}
     probe = re.fullmatch(r"probe_b(\d+)_n(\d+)_c(\d+)_w(-?\d+)", name)
     if probe:
         batch, new, cached, window = (int(v) for v in probe.groups())
-        workloads[name] = bench.Workload(name, (new,) * batch, (cached,) * batch, window, 16)
-    if name not in workloads:
-        raise SystemExit(f"unknown workload {name!r}: not in bench.WORKLOADS, the sweep or bench_prep.PREP_WORKLOADS")
-    w = workloads[name]
+        w = bench.Workload(name, (new,) * batch, (cached,) * batch, window, 16)
+    else:
+        try:
+            w = attention_workload(name)
+        except ValueError:
+            known = "bench.WORKLOADS, the sweep, a probe shape or bench_prep.PREP_WORKLOADS"
+            raise SystemExit(f"unknown workload {name!r}: not in {known}") from None
     call, _ = bench.system_pagedwindow(w, bench.make_inputs(w, gen, device, tile))
     return call
 

@@ -85,20 +85,6 @@ def prep_child(workloads: list[str]) -> None:
     print(json.dumps(times))
 
 
-def attention_workload(name: str):
-    """The attention workload called ``name``: one of ``bench.WORKLOADS`` or a sweep point (``bench --sweep``'s
-    names, e.g. ``decode_b1_kv4096_w1023``). Raises ValueError for any other name."""
-    from pagedwindow import bench, bench_sweep
-
-    if name in bench.WORKLOADS:
-        return bench.WORKLOADS[name]
-    for sweep_slice in bench_sweep.sweep_slices():
-        for point in sweep_slice.points:
-            if point.name == name:
-                return bench.sweep_workload(point)
-    raise ValueError(f"workload {name!r} is neither a bench workload nor a sweep point")
-
-
 def child(workloads: list[str], tile: int | None) -> None:
     """One build's kernel ms per attention workload, as one JSON line on stdout."""
     import torch
@@ -107,6 +93,8 @@ def child(workloads: list[str], tile: int | None) -> None:
 
     device = torch.device("cuda")
     times = {}
+    from workload_names import attention_workload  # beside this script
+
     for name in workloads:
         w = attention_workload(name)
         gen = torch.Generator().manual_seed(0)
@@ -147,6 +135,8 @@ def main() -> None:
     try:
         variants = parse_variants(args.variant, args.src)
         if not args.prep:
+            from workload_names import attention_workload  # beside this script
+
             for name in workloads:
                 attention_workload(name)
     except ValueError as exc:

@@ -53,11 +53,14 @@ def test_a_variant_process_gets_its_flags_and_its_package_first(tmp_path):
     assert "PYTHONPATH" not in variant_ab.variant_env({}, {"flags": "", "src": None})
 
 
-def test_attention_workloads_are_bench_workloads_or_sweep_points():
+def test_attention_workloads_are_bench_workloads_or_sweep_points(monkeypatch):
     from pagedwindow import bench
 
-    assert variant_ab.attention_workload("prefill_1x8192") is bench.WORKLOADS["prefill_1x8192"]
-    point = variant_ab.attention_workload("decode_b1_kv4096_w1023")
+    monkeypatch.syspath_prepend(str(_SCRIPT.parent))  # variant_ab imports workload_names from beside it
+    from workload_names import attention_workload
+
+    assert attention_workload("prefill_1x8192") is bench.WORKLOADS["prefill_1x8192"]
+    point = attention_workload("decode_b1_kv4096_w1023")
     assert (point.seq_lens, point.start_positions, point.window_left) == ((1,), (4095,), 1023)
     with pytest.raises(ValueError, match="'decode_b1_kv5_w1023' is neither a bench workload nor a sweep point"):
-        variant_ab.attention_workload("decode_b1_kv5_w1023")
+        attention_workload("decode_b1_kv5_w1023")

@@ -3,8 +3,9 @@
 ``python3 benchmarks/wait_trace.py NAME [TILE] [--json out.json]`` builds the kernels with the wait trace
 (``-DPW_SM90_WAIT_TRACE=1``, ``kernels/sm90_wait_trace.cuh``; its own kernel-cache entry), launches workload NAME
 (named as ``profile_case.py`` names them; TILE the plan's ``cta_tile_q``, default the policy's) once to warm up and
-once traced, and prints, per main-loop iteration j, the mean SM cycles a consumer warpgroup waited for K(j+1)
-against the mean cycles of the iteration, after the waits for Q and K(0) that come before the loop.
+once traced, and prints, per main-loop iteration j, the mean SM cycles each consumer warpgroup waited for K(j+1)
+and V(j), the cycles of the iteration, and K(j+1)'s lead (from its copies' issue to the wait for it), after the
+waits for Q and K(0) that come before the loop.
 """
 
 import argparse
@@ -25,49 +26,60 @@ from pagedwindow.cuda import ops  # noqa: E402
 
 
 def read_trace(lib: ctypes.CDLL) -> tuple[np.ndarray, int]:
-    """The trace buffer as rows [CTA * 2 + consumer warpgroup, slot] (uint32), and the iterations traced; the
-    device buffer is zeroed after the read."""
+    """The trace buffer as rows [3 * CTA + role, slot] (uint32; role 0 and 1 the consumer warpgroups, 2 the
+    producer), and the iterations traced; the device buffer is zeroed after the read."""
     layout = (ctypes.c_int * 3)()
     lib.pw_prefill_sm90_wait_trace_layout(layout)
-    ctas, iters, slots = layout
-    words = ctas * 2 * slots
-    buf = np.zeros(words, dtype=np.uint32)
+    rows, iters, slots = layout
+    buf = np.zeros(rows * slots, dtype=np.uint32)
     read = lib.pw_prefill_sm90_wait_trace
     read.argtypes, read.restype = [ctypes.c_void_p, ctypes.c_longlong], ctypes.c_longlong
-    n = read(buf.ctypes.data, words)
-    if n != words:
+    n = read(buf.ctypes.data, rows * slots)
+    if n != rows * slots:
         raise SystemExit(f"pw_prefill_sm90_wait_trace returned {n}: not a trace build, or a CUDA error")
-    return buf.reshape(ctas * 2, slots), iters
+    return buf.reshape(rows // 3, 3, slots), iters
 
 
-def summarise(rows: np.ndarray, iters: int) -> dict:
-    """Per-iteration means over the rows of CTAs that ran (KV tile count > 0)."""
-    rows = rows[rows[:, 2 + 2 * iters] > 0].astype(np.float64)  # rows [R, slots]
-    q_wait, k0_wait = rows[:, 0], rows[:, 1]  # [R]
-    k_wait, it = rows[:, 2 : 2 + iters], rows[:, 2 + iters : 2 + 2 * iters]  # [R, iters]
-    tiles, total = rows[:, 2 + 2 * iters], rows[:, 3 + 2 * iters]  # [R]
+def summarise(trace: np.ndarray, iters: int) -> dict:
+    """Means over the CTAs that ran (KV tile count > 0), per consumer warpgroup and per main-loop iteration j: the
+    waits for K(j+1) and V(j), the iteration's cycles, and K(j+1)'s lead (from its copies' issue to the start of
+    warpgroup 0's wait for it)."""
+    sk, si, sv, se = 2, 2 + iters, 2 + 2 * iters, 2 + 3 * iters  # slots: K wait, iteration, V wait, K wait end
+    tiles_slot, total_slot, issue_v = 2 + 4 * iters, 3 + 4 * iters, iters + 2
+    trace = trace[trace[:, 0, tiles_slot] > 0]  # [C, 3, slots]
+    cons = trace[:, :2].astype(np.float64)  # [C, 2, slots] the consumer warpgroups
+    prod = trace[:, 2].astype(np.int64)  # [C, slots] the producer's issue clocks
+    tiles, total = cons[:, 0, tiles_slot], cons[:, :, total_slot].mean(axis=1)  # [C]
     per_iter = []
     for j in range(iters):
         ran = tiles - 1 > j  # iteration j exists (the last tile is peeled)
         if ran.sum() == 0:
             break
+        k_end = trace[ran, 0, se + j].astype(np.int64)  # [C'] warpgroup 0's wait end for K(j+1)
+        wait_start = (k_end - trace[ran, 0, sk + j].astype(np.int64)) % 2**32
+        lead = (wait_start - prod[ran, j + 1]) % 2**32  # [C'] cycles from K(j+1)'s issue to that wait
+        lead = np.where(lead > 2**31, lead - 2**32, lead)
         per_iter.append(
             {
                 "j": j,
-                "rows": int(ran.sum()),
-                "k_wait": float(k_wait[ran, j].mean()),
-                "cycles": float(it[ran, j].mean()),
+                "ctas": int(ran.sum()),
+                "k_wait": [float(cons[ran, w, sk + j].mean()) for w in (0, 1)],
+                "v_wait": [float(cons[ran, w, sv + j].mean()) for w in (0, 1)],
+                "cycles": float(cons[ran, :, si + j].mean()),
+                "k_lead": float(lead.mean()),
             }
         )
-    k_sum = np.array([p["k_wait"] * p["rows"] for p in per_iter])
+    k_sum = np.array([sum(p["k_wait"]) / 2 * p["ctas"] for p in per_iter])
     return {
-        "rows": int(rows.shape[0]),
+        "ctas": int(trace.shape[0]),
         "mean_tiles": float(tiles.mean()),
         "mean_total_cycles": float(total.mean()),
-        "q_wait": float(q_wait.mean()),
-        "k0_wait": float(k0_wait.mean()),
-        "k_wait_share_of_total": float((k_sum.sum() / rows.shape[0]) / total.mean()) if len(per_iter) else 0.0,
-        "k_wait_in_first_two_iterations": float(k_sum[:2].sum() / k_sum.sum()) if k_sum.sum() > 0 else 0.0,
+        "q_wait": float(cons[:, :, 0].mean()),
+        "k0_wait": float(cons[:, :, 1].mean()),
+        "k_wait_share_of_total": float((k_sum.sum() / trace.shape[0]) / total.mean()) if len(per_iter) else 0.0,
+        # over CTAs of 8 tiles or more: the cycles between K's issues, and from K(t)'s issue to V(t)'s
+        "producer_issue_gap_k": float(np.diff(prod[tiles >= 8, :8], axis=1).mean()),
+        "issue_v_minus_k": float(((prod[tiles >= 8, issue_v : issue_v + 8] - prod[tiles >= 8, :8]) % 2**32).mean()),
         "per_iteration": per_iter,
     }
 
@@ -86,23 +98,25 @@ def main() -> int:
     read_trace(lib)  # discards (and zeroes) the warm-up's trace
     call()
     torch.cuda.synchronize()
-    rows, iters = read_trace(lib)
-    s = summarise(rows, iters)
+    trace, iters = read_trace(lib)
+    s = summarise(trace, iters)
+    total = s["mean_total_cycles"]
     print(
-        f"{args.workload} (tile {args.tile}): {s['rows']} consumer warpgroups, {s['mean_tiles']:.1f} KV tiles a CTA, "
-        f"{s['mean_total_cycles']:.0f} cycles from Q's wait to the loop's end"
+        f"{args.workload} (tile {args.tile}): {s['ctas']} CTAs, {s['mean_tiles']:.1f} KV tiles a CTA, {total:.0f} "
+        f"cycles from Q's wait to the loop's end; before the loop Q {s['q_wait']:.0f} cycles "
+        f"({100 * s['q_wait'] / total:.1f} %), K(0) {s['k0_wait']:.0f} ({100 * s['k0_wait'] / total:.1f} %); "
+        f"waits for K(j+1) in the loop {100 * s['k_wait_share_of_total']:.1f} % of the time; K's copies issued "
+        f"every {s['producer_issue_gap_k']:.0f} cycles, V(t)'s {s['issue_v_minus_k']:.0f} after K(t)'s"
     )
-    print(
-        f"before the loop: Q {s['q_wait']:.0f} cycles ({100 * s['q_wait'] / s['mean_total_cycles']:.1f} %), "
-        f"K(0) {s['k0_wait']:.0f} ({100 * s['k0_wait'] / s['mean_total_cycles']:.1f} %); waits for K(j+1) in the loop: "
-        f"{100 * s['k_wait_share_of_total']:.1f} % of the time, {100 * s['k_wait_in_first_two_iterations']:.0f} % "
-        f"of them in iterations 0 and 1"
-    )
-    print("| j | warpgroups | wait for K(j+1), cycles | iteration, cycles | wait / iteration |")
-    print("|---|---|---|---|---|")
+    print("| j | CTAs | K(j+1) lead | K(j+1) wait, wg 0 / 1 | V(j) wait, wg 0 / 1 | iteration | K wait / iteration |")
+    print("|---|---|---|---|---|---|---|")
     for p in s["per_iteration"]:
-        share = 100 * p["k_wait"] / p["cycles"]
-        print(f"| {p['j']} | {p['rows']} | {p['k_wait']:.0f} | {p['cycles']:.0f} | {share:.1f} % |")
+        kw, vw = p["k_wait"], p["v_wait"]
+        share = 100 * (kw[0] + kw[1]) / 2 / p["cycles"]
+        print(
+            f"| {p['j']} | {p['ctas']} | {p['k_lead']:.0f} | {kw[0]:.0f} / {kw[1]:.0f} | {vw[0]:.0f} / {vw[1]:.0f} | "
+            f"{p['cycles']:.0f} | {share:.1f} % |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workload": args.workload, "tile": args.tile, **s}, f, indent=1)

@@ -322,9 +322,10 @@ extern "C" long long pw_prefill_sm90_wait_trace(uint32_t* dst, long long words) 
 #endif
 }
 
-// The trace's row layout (sm90_wait_trace.cuh): {CTAs traced, main-loop iterations traced, uint32 per row}.
+// The trace's layout (sm90_wait_trace.cuh): {rows (three per CTA traced), main-loop iterations traced, uint32 per
+// row}.
 extern "C" void pw_prefill_sm90_wait_trace_layout(int* out) {
-  out[0] = pw_prefill_sm90::kTraceCtas;
+  out[0] = pw_prefill_sm90::kTraceRows;
   out[1] = pw_prefill_sm90::kTraceIters;
   out[2] = pw_prefill_sm90::kTraceSlots;
 }

@@ -222,8 +222,8 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
     for (int j = 0; j < n_tiles - 1; ++j) {
       const int j1 = j + 1;
       trace.iteration(j);
-      trace.wait(kTraceSlotK + j, sm.full_k(stage_of(j1)), parity_of(j1));
-      mbar_wait<false>(sm.full_v(stage_of(j)), parity_of(j));
+      trace.wait_k(j, sm.full_k(stage_of(j1)), parity_of(j1));
+      trace.wait_v(j, sm.full_v(stage_of(j)), parity_of(j));
       fence_proxy_async();
       // ---- turn j+1: S(j+1), then PV(j) (two commit groups, in this order)
       pp.wait_turn();

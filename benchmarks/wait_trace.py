@@ -40,6 +40,12 @@ def read_trace(lib: ctypes.CDLL) -> tuple[np.ndarray, int]:
     return buf.reshape(rows // 3, 3, slots), iters
 
 
+def signed_cycles(d: np.ndarray) -> np.ndarray:
+    """Differences of 32-bit clock readings as signed cycle counts (the readings wrap every 2^32 cycles)."""
+    d = d % 2**32
+    return np.where(d >= 2**31, d - 2**32, d)
+
+
 def summarise(trace: np.ndarray, iters: int) -> dict:
     """Means over the CTAs that ran (KV tile count > 0), per consumer warpgroup and per main-loop iteration j: the
     waits for K(j+1) and V(j), the iteration's cycles, and K(j+1)'s lead (from its copies' issue to the start of
@@ -57,8 +63,7 @@ def summarise(trace: np.ndarray, iters: int) -> dict:
             break
         k_end = trace[ran, 0, se + j].astype(np.int64)  # [C'] warpgroup 0's wait end for K(j+1)
         wait_start = (k_end - trace[ran, 0, sk + j].astype(np.int64)) % 2**32
-        lead = (wait_start - prod[ran, j + 1]) % 2**32  # [C'] cycles from K(j+1)'s issue to that wait
-        lead = np.where(lead > 2**31, lead - 2**32, lead)
+        lead = signed_cycles(wait_start - prod[ran, j + 1])  # [C'] cycles from K(j+1)'s issue to that wait
         per_iter.append(
             {
                 "j": j,
@@ -79,7 +84,7 @@ def summarise(trace: np.ndarray, iters: int) -> dict:
         "k_wait_share_of_total": float((k_sum.sum() / trace.shape[0]) / total.mean()) if len(per_iter) else 0.0,
         # over CTAs of 8 tiles or more: the cycles between K's issues, and from K(t)'s issue to V(t)'s
         "producer_issue_gap_k": float(np.diff(prod[tiles >= 8, :8], axis=1).mean()),
-        "issue_v_minus_k": float(((prod[tiles >= 8, issue_v : issue_v + 8] - prod[tiles >= 8, :8]) % 2**32).mean()),
+        "issue_v_minus_k": float(signed_cycles(prod[tiles >= 8, issue_v : issue_v + 8] - prod[tiles >= 8, :8]).mean()),
         "per_iteration": per_iter,
     }
 

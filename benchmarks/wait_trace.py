@@ -14,15 +14,9 @@ import json
 import os
 import sys
 
-os.environ["PAGEDWINDOW_NVCC_FLAGS"] = " ".join(
-    filter(None, [os.environ.get("PAGEDWINDOW_NVCC_FLAGS", ""), "-DPW_SM90_WAIT_TRACE=1"])
-)
+import numpy as np
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from profile_case import make_call  # noqa: E402  (beside this script)
-
-from pagedwindow.cuda import ops  # noqa: E402
+TRACE_FLAG = "-DPW_SM90_WAIT_TRACE=1"
 
 
 def read_trace(lib: ctypes.CDLL) -> tuple[np.ndarray, int]:
@@ -75,6 +69,7 @@ def summarise(trace: np.ndarray, iters: int) -> dict:
             }
         )
     k_sum = np.array([sum(p["k_wait"]) / 2 * p["ctas"] for p in per_iter])
+    long_k, long_v = prod[tiles >= 8, :8], prod[tiles >= 8, issue_v : issue_v + 8]  # [C'', 8] issue clocks
     return {
         "ctas": int(trace.shape[0]),
         "mean_tiles": float(tiles.mean()),
@@ -82,9 +77,10 @@ def summarise(trace: np.ndarray, iters: int) -> dict:
         "q_wait": float(cons[:, :, 0].mean()),
         "k0_wait": float(cons[:, :, 1].mean()),
         "k_wait_share_of_total": float((k_sum.sum() / trace.shape[0]) / total.mean()) if len(per_iter) else 0.0,
-        # over CTAs of 8 tiles or more: the cycles between K's issues, and from K(t)'s issue to V(t)'s
-        "producer_issue_gap_k": float(np.diff(prod[tiles >= 8, :8], axis=1).mean()),
-        "issue_v_minus_k": float(signed_cycles(prod[tiles >= 8, issue_v : issue_v + 8] - prod[tiles >= 8, :8]).mean()),
+        # over CTAs of 8 tiles or more (None if there are none): the cycles between K's issues, and from K(t)'s
+        # issue to V(t)'s (negative: V first)
+        "producer_issue_gap_k": float(signed_cycles(np.diff(long_k, axis=1)).mean()) if len(long_k) else None,
+        "issue_v_minus_k": float(signed_cycles(long_v - long_k).mean()) if len(long_k) else None,
         "per_iteration": per_iter,
     }
 
@@ -95,6 +91,15 @@ def main() -> int:
     parser.add_argument("tile", nargs="?", default="default")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    # The flag joins the build's (read when the kernels are built, below); then the CUDA side is imported.
+    os.environ["PAGEDWINDOW_NVCC_FLAGS"] = " ".join(
+        filter(None, [os.environ.get("PAGEDWINDOW_NVCC_FLAGS"), TRACE_FLAG])
+    )
+    import torch
+    from profile_case import make_call  # beside this script
+
+    from pagedwindow.cuda import ops
+
     tile = None if args.tile == "default" else int(args.tile)
     call = make_call(args.workload, tile)
     lib = ops.library(torch.device("cuda"))
@@ -110,9 +115,13 @@ def main() -> int:
         f"{args.workload} (tile {args.tile}): {s['ctas']} CTAs, {s['mean_tiles']:.1f} KV tiles a CTA, {total:.0f} "
         f"cycles from Q's wait to the loop's end; before the loop Q {s['q_wait']:.0f} cycles "
         f"({100 * s['q_wait'] / total:.1f} %), K(0) {s['k0_wait']:.0f} ({100 * s['k0_wait'] / total:.1f} %); "
-        f"waits for K(j+1) in the loop {100 * s['k_wait_share_of_total']:.1f} % of the time; K's copies issued "
-        f"every {s['producer_issue_gap_k']:.0f} cycles, V(t)'s {s['issue_v_minus_k']:.0f} after K(t)'s"
+        f"waits for K(j+1) in the loop {100 * s['k_wait_share_of_total']:.1f} % of the time"
     )
+    if s["producer_issue_gap_k"] is not None:
+        print(
+            f"K's copies issued every {s['producer_issue_gap_k']:.0f} cycles, "
+            f"V(t)'s {s['issue_v_minus_k']:.0f} after K(t)'s"
+        )
     print("| j | CTAs | K(j+1) lead | K(j+1) wait, wg 0 / 1 | V(j) wait, wg 0 / 1 | iteration | K wait / iteration |")
     print("|---|---|---|---|---|---|---|")
     for p in s["per_iteration"]:

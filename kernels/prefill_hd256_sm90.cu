@@ -301,3 +301,31 @@ extern "C" int pw_prefill_hd256_sm90_kv_copy_mode(const void* pool, long long k_
 
 // Human-readable name of a status code returned by pw_prefill_hd256_bf16_sm90.
 extern "C" const char* pw_prefill_hd256_sm90_error_string(int code) { return pw_prefill_status_string(code); }
+
+// The wait trace of a -DPW_SM90_WAIT_TRACE=1 build (sm90_wait_trace.cuh): copies min(words, the buffer's) uint32
+// into host memory `dst`, then zeroes the buffer. Returns the words copied, -1 in a build without the trace, or
+// -(CUDA error). Synchronises with the device.
+extern "C" long long pw_prefill_sm90_wait_trace(uint32_t* dst, long long words) {
+#if PW_SM90_WAIT_TRACE
+  const long long n = words < pw_prefill_sm90::kTraceWords ? words : pw_prefill_sm90::kTraceWords;
+  cudaError_t e = cudaMemcpyFromSymbol(dst, pw_prefill_sm90::g_wait_trace, static_cast<size_t>(n) * sizeof(uint32_t));
+  if (e != cudaSuccess) return -static_cast<long long>(e);
+  void* buf = nullptr;
+  e = cudaGetSymbolAddress(&buf, pw_prefill_sm90::g_wait_trace);
+  if (e == cudaSuccess) e = cudaMemset(buf, 0, sizeof(pw_prefill_sm90::g_wait_trace));
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  return e == cudaSuccess ? n : -static_cast<long long>(e);
+#else
+  (void)dst;
+  (void)words;
+  return -1;
+#endif
+}
+
+// The trace's layout (sm90_wait_trace.cuh): {rows (three per CTA traced), main-loop iterations traced, uint32 per
+// row}.
+extern "C" void pw_prefill_sm90_wait_trace_layout(int* out) {
+  out[0] = pw_prefill_sm90::kTraceRows;
+  out[1] = pw_prefill_sm90::kTraceIters;
+  out[2] = pw_prefill_sm90::kTraceSlots;
+}

@@ -15,11 +15,12 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "online_softmax.cuh"  // mask_tile, OnlineSoftmax
-#include "ptx_common.cuh"      // pack_bf16x2
-#include "sm90_config.cuh"     // Cfg, Smem, stage_of / parity_of, shapes, named barriers
-#include "sm90_ptx.cuh"        // mbarriers, named barriers, wgmma
-#include "tile_geometry.cuh"   // TileGeometry, qpos_of
+#include "online_softmax.cuh"   // mask_tile, OnlineSoftmax
+#include "ptx_common.cuh"       // pack_bf16x2
+#include "sm90_config.cuh"      // Cfg, Smem, stage_of / parity_of, shapes, named barriers
+#include "sm90_ptx.cuh"         // mbarriers, named barriers, wgmma
+#include "sm90_wait_trace.cuh"  // WaitTrace (records only in a -DPW_SM90_WAIT_TRACE=1 build)
+#include "tile_geometry.cuh"    // TileGeometry, qpos_of
 
 #ifdef PW_SM90_DEVICE_CODE
 namespace pw_prefill_sm90 {
@@ -197,12 +198,13 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
   // No wgmma is in flight across a loop edge or a conditional path (ptxas would otherwise serialise every
   // wgmma); the last tile is peeled.
   pin_o();  // materialise O = 0 before any wgmma is in flight
-  mbar_wait<false>(sm.q_full(), 0);
+  WaitTrace trace(cw);
+  trace.wait(kTraceSlotQ, sm.q_full(), 0);
   const int n_tiles = t.n_tiles;
   if (n_tiles > 0) {  // always true when rows_valid > 0; uniform across the CTA
     float alpha0, alpha1;
     // ---- turn 0: S(0)
-    mbar_wait<false>(sm.full_k(0), 0);
+    trace.wait(kTraceSlotK0, sm.full_k(0), 0);
     fence_proxy_async();
     pp.start();
     pp.wait_turn();
@@ -219,8 +221,9 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
 #pragma unroll 1
     for (int j = 0; j < n_tiles - 1; ++j) {
       const int j1 = j + 1;
-      mbar_wait<false>(sm.full_k(stage_of(j1)), parity_of(j1));
-      mbar_wait<false>(sm.full_v(stage_of(j)), parity_of(j));
+      trace.iteration(j);
+      trace.wait_k(j, sm.full_k(stage_of(j1)), parity_of(j1));
+      trace.wait_v(j, sm.full_v(stage_of(j)), parity_of(j));
       fence_proxy_async();
       // ---- turn j+1: S(j+1), then PV(j) (two commit groups, in this order)
       pp.wait_turn();
@@ -246,6 +249,7 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
       pack_p();
     }
 
+    trace.finish(n_tiles - 1, n_tiles);
     // ---- turn n: PV(n-1)
     mbar_wait<false>(sm.full_v(stage_of(n_tiles - 1)), parity_of(n_tiles - 1));
     fence_proxy_async();

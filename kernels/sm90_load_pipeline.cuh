@@ -24,10 +24,11 @@
 
 #include <cuda.h>  // CUtensorMap
 
-#include "ptx_common.cuh"     // cp_async_16, st_shared_v4
-#include "sm90_config.cuh"    // Cfg, Smem, sw128, stage_of / parity_of, shapes
-#include "sm90_ptx.cuh"       // mbarriers, bulk tensor copies
-#include "tile_geometry.cuh"  // TileGeometry
+#include "ptx_common.cuh"       // cp_async_16, st_shared_v4
+#include "sm90_config.cuh"      // Cfg, Smem, sw128, stage_of / parity_of, shapes
+#include "sm90_ptx.cuh"         // mbarriers, bulk tensor copies
+#include "sm90_wait_trace.cuh"  // ProducerTrace
+#include "tile_geometry.cuh"    // TileGeometry
 
 #ifdef PW_SM90_DEVICE_CODE
 namespace pw_prefill_sm90 {
@@ -191,6 +192,7 @@ __device__ __forceinline__ void producer_tma(const Params& p, const Smem<kCtaQ, 
   auto box_inside = [&](int x) { return has_box && x + box_rows <= t.kv_len; };
   int page = 0;  // page id of the current tile's chunk, loaded one tile ahead
   if (box_inside(pos)) page = __ldg(pages + pi);
+  ProducerTrace trace(lane);  // records only in a -DPW_SM90_WAIT_TRACE=1 build
 
 #pragma unroll 1
   for (int j = 0; j < t.n_tiles; ++j) {
@@ -210,6 +212,7 @@ __device__ __forceinline__ void producer_tma(const Params& p, const Smem<kCtaQ, 
     const uint32_t buf = (is_k ? sm.k : sm.v) + st * kKvBytes;
     const uint32_t full = is_k ? sm.full_k(st) : sm.full_v(st);
     mbar_wait<true>(is_k ? sm.empty_k(st) : sm.empty_v(st), par ^ 1);  // the first use passes at once
+    trace.issued(is_k, j);
     // Rows from the first chunk that reaches past kv_len (uniform across the warp): copied here, zeros past
     // kv_len, with ordinary loads and stores, made visible to the tensor cores before the arrive below.
     const int tail_row0 = min(kKvTile, ((t.kv_len - tile_key0) / box_rows) * box_rows);

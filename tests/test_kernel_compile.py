@@ -46,3 +46,12 @@ ptxas info    : Used 168 registers, used 1 barriers, 1024 bytes smem, 400 bytes 
         4,
         1024,
     )
+
+
+def test_the_wait_trace_build_compiles_without_spills(tmp_path, monkeypatch):
+    """The prefill kernel's measurement build (kernels/sm90_wait_trace.cuh, read by benchmarks/wait_trace.py)."""
+    monkeypatch.setenv("PAGEDWINDOW_NVCC_FLAGS", "-DPW_SM90_WAIT_TRACE=1")
+    resources, report = compile_for_targets(("sm_90a",), tmp_path)
+    traced = [r for r in resources if "pw_prefill_hd256_sm90_kernel" in r.function]
+    assert len(traced) == 4, report[-3000:]  # tiles 64 and 128, each with both K/V copy paths
+    assert all((r.spill_stores, r.spill_loads, r.stack_frame) == (0, 0, 0) for r in traced), report[-3000:]

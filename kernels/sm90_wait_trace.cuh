@@ -2,8 +2,8 @@
 // WaitTrace is the plain mbarrier wait and ProducerTrace records nothing). Thread 0 of every consumer warpgroup
 // records, in SM clock cycles, how long each of its waits for data took and how long each main-loop iteration
 // took; lane 0 of the bulk-copy producer's K and V warps records when each tile's copies were issued (the cp.async
-// producer, whose warps copy both, records none). The host reads the
-// buffer with pw_prefill_sm90_wait_trace (prefill_hd256_sm90.cu; benchmarks/wait_trace.py).
+// producer, whose warps copy both, records none). The host reads the buffer with pw_prefill_sm90_wait_trace
+// (prefill_hd256_sm90.cu; benchmarks/wait_trace.py).
 //
 // Three rows of kTraceSlots uint32 per CTA c (blockIdx.y * gridDim.x + blockIdx.x < kTraceCtas): row 3c + cw for
 // consumer warpgroup cw, row 3c + 2 for the producer. I = kTraceIters main-loop iterations are traced.

@@ -76,7 +76,8 @@ struct Cfg {
   static_assert(!kSetMaxNReg ||
                     kProducerThreads * kProducerRegs + kWarpgroupThreads * kWG * kConsumerRegs <= kRegisterFile,
                 "setmaxnreg budget exceeds the register file");
-  static constexpr int kNumBarriers = 1 + 4 * kStages;  // q_full, full_k[], full_v[], empty_k[], empty_v[]
+  // q_full, full_k[], full_v[], empty_k[], empty_v[], overlap_anchor
+  static constexpr int kNumBarriers = 1 + 4 * kStages + 1;
 };
 
 #ifdef PW_SM90_DEVICE_CODE
@@ -94,7 +95,8 @@ __device__ __forceinline__ uint32_t sw128(int row, int chunk) {
 template <int kCtaQ, int kWG>
 struct Smem {
   uint32_t q, k, v;  // Q | K[kStages] | V[kStages], q aligned to 1024 B (the swizzle atom)
-  uint32_t bar;      // q_full, full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages] (8 B each)
+  uint32_t bar;      // q_full, full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages], overlap_anchor
+                     // (8 B each)
   __device__ __forceinline__ Smem(const void* dyn, const void* bars) {
     q = (smem_addr(dyn) + (kSwizzleAtomBytes - 1u)) & ~(kSwizzleAtomBytes - 1u);
     k = q + Cfg<kCtaQ, kWG>::kQBytes;
@@ -106,6 +108,9 @@ struct Smem {
   __device__ __forceinline__ uint32_t full_v(int s) const { return bar + kMbarBytes * (1 + kStages + s); }
   __device__ __forceinline__ uint32_t empty_k(int s) const { return bar + kMbarBytes * (1 + 2 * kStages + s); }
   __device__ __forceinline__ uint32_t empty_v(int s) const { return bar + kMbarBytes * (1 + 3 * kStages + s); }
+  // Arrived on, never waited on: an arrive that depends on the softmax pins it above the wait for PV(j)
+  // (sm90_consumer.cuh). Count 1: every arrival completes a phase, which nothing observes.
+  __device__ __forceinline__ uint32_t overlap_anchor() const { return bar + kMbarBytes * (1 + 4 * kStages); }
 };
 
 // Buffer of KV tile j, and the parity of the mbarrier phase of that buffer's use by tile j (its use j / kStages).

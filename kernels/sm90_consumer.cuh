@@ -192,8 +192,8 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
 
   // Schedule (per consumer warpgroup; a turn is issuing GEMMs, see PingPong):
   //   turn 0: S(0);  wait;  softmax(0) -> P(0)
-  //   for j < n-1:  turn j+1: S(j+1), PV(j);  wait S(j+1);  softmax(j+1) -> P(j+1) while PV(j) runs;
-  //                 wait PV(j);  rescale O
+  //   for j < n-1:  turn j+1: S(j+1), PV(j);  wait S(j+1);  release K(j+1);  softmax(j+1) -> P(j+1) while
+  //                 PV(j) runs;  wait PV(j);  release V(j);  rescale O
   //   turn n: PV(n-1);  wait
   // No wgmma is in flight across a loop edge or a conditional path (ptxas would otherwise serialise every
   // wgmma); the last tile is peeled.
@@ -234,13 +234,16 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
       gemm_pv(stage_of(j));
       wgmma_commit();
       pp.pass_turn();
-      wgmma_wait<1>();  // S(j+1) has completed; PV(j) may still run
+      wgmma_wait<1>();  // S(j+1) has completed (K(j+1) is read); PV(j) may still run
       pin_s();
+      // K(j+1)'s buffer goes back now, a softmax before it would otherwise: the producer's next copy into it
+      // gains that much lead (a copy takes about one iteration; NOTES.md, the waits per iteration).
+      release(sm.empty_k(stage_of(j1)));
       softmax_p(j1, alpha0, alpha1);  // overlaps PV(j) on the tensor cores
-      // Release K(j+1). The condition is always true (l0, l1 >= 0, or NaN), but it makes the arrive depend on
-      // the softmax, which keeps ptxas from sinking the softmax below the wait for PV(j) (losing the overlap).
+      // Keep the softmax above the wait for PV(j): an arrive on the overlap anchor that depends on it (the
+      // condition is always true: l0, l1 >= 0, or NaN). Without it ptxas sinks the softmax below that wait.
       __syncwarp();
-      if (lane == 0 && !(softmax.l0 + softmax.l1 < 0.f)) mbar_arrive(sm.empty_k(stage_of(j1)));
+      if (lane == 0 && !(softmax.l0 + softmax.l1 < 0.f)) mbar_arrive(sm.overlap_anchor());
       wgmma_wait<0>();  // PV(j) has completed
       pin_o();
       pin_p();

@@ -47,6 +47,7 @@ __device__ __forceinline__ void init_pipeline_barriers(const Smem<kCtaQ, kWG>& s
     mbar_init(sm.empty_k(s), kWarpgroupWarps * kWG);
     mbar_init(sm.empty_v(s), kWarpgroupWarps * kWG);
   }
+  mbar_init(sm.overlap_anchor(), 1);
   mbar_init_fence();
 }
 

@@ -66,6 +66,7 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
   pw_softmax::OnlineSoftmax softmax;  // rows g and g + 8: running max and row sums
   consumer_mainloop<kCtaQ, kWG>(p, sm, t, th, o, softmax);
   consumer_epilogue<kCtaQ, kWG>(p, sm, t, th, o, softmax);
+  trace_consumer_exit(th.cw);  // a -DPW_SM90_WAIT_TRACE=1 build only
 }
 #endif  // PW_SM90_DEVICE_CODE
 
@@ -87,7 +88,10 @@ __global__ void __launch_bounds__(Cfg<kCtaQ, kWG>::kThreads, Cfg<kCtaQ, kWG>::kM
   if (static_cast<int>(blockIdx.x) >= p.plan_scalars[2]) return;
   if (pw_tile::tile_geometry<kCtaQ, kKvTile>(p, blockIdx.x).rows_valid <= 0) return;  // uniform across the CTA
   const Smem<kCtaQ, kWG> sm(smem, bars);
-  if (threadIdx.x == 0) init_pipeline_barriers<kCtaQ, kWG, kTma>(sm);
+  if (threadIdx.x == 0) {
+    trace_cta_entry();  // a -DPW_SM90_WAIT_TRACE=1 build only
+    init_pipeline_barriers<kCtaQ, kWG, kTma>(sm);
+  }
   __syncthreads();
 
   // Role dispatch. Each role recomputes the tile geometry after setmaxnreg, so that few values are live across it.

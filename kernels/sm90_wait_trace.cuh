@@ -11,9 +11,12 @@
 //     [kTraceSlotIter + j] the cycles of iteration j (from its first wait to the next iteration's),
 //     [kTraceSlotV + j] the wait for V(j) in iteration j, [kTraceSlotKEnd + j] the clock (low 32 bits) at which
 //     the wait for K(j+1) ended, [kTraceSlotTiles] the CTA's KV tiles, [kTraceSlotTotal] the cycles from Q's wait
-//     to the loop's end;
+//     to the loop's end, [kTraceSlotQClock] the clock at Q's wait, [kTraceSlotExit] the clock at the end of the
+//     epilogue, [kTraceSlotExitNs] (two words, low first) the global timer there in ns;
 //   producer: [t] the clock at which K(t)'s copies were issued (its buffer free), [kTraceSlotIssueV + t] V(t)'s,
-//     t < I + 2.
+//     t < I + 2; [kTraceSlotSm] the SM the CTA ran on, [kTraceSlotEntry] the clock when the CTA started (before
+//     its barriers are set up), [kTraceSlotEntryNs] (two words) the global timer then.
+// Clocks are an SM's own (comparable within one SM); the global timer is the device's (comparable across SMs).
 #pragma once
 
 #include <stdint.h>
@@ -31,8 +34,13 @@ constexpr int kTraceIters = 32;   // main-loop iterations traced per CTA
 constexpr int kTraceSlotQ = 0, kTraceSlotK0 = 1, kTraceSlotK = 2;
 constexpr int kTraceSlotIter = kTraceSlotK + kTraceIters, kTraceSlotV = kTraceSlotIter + kTraceIters;
 constexpr int kTraceSlotKEnd = kTraceSlotV + kTraceIters, kTraceSlotTiles = kTraceSlotKEnd + kTraceIters;
-constexpr int kTraceSlotTotal = kTraceSlotTiles + 1, kTraceSlots = kTraceSlotTotal + 1;
-constexpr int kTraceSlotIssueV = kTraceIters + 2;  // producer row: V's issue clocks after K's
+constexpr int kTraceSlotTotal = kTraceSlotTiles + 1, kTraceSlotQClock = kTraceSlotTotal + 1;
+constexpr int kTraceSlotExit = kTraceSlotQClock + 1, kTraceSlotExitNs = kTraceSlotExit + 1;
+constexpr int kTraceSlots = kTraceSlotExitNs + 2;
+constexpr int kTraceSlotIssueV = kTraceIters + 2;  // producer row: V's issue clocks after K's, then the CTA's start
+constexpr int kTraceSlotSm = kTraceSlotIssueV + kTraceIters + 2, kTraceSlotEntry = kTraceSlotSm + 1;
+constexpr int kTraceSlotEntryNs = kTraceSlotEntry + 1;
+static_assert(kTraceSlotEntryNs + 2 <= kTraceSlots, "the producer row's slots fit a row");
 constexpr int kTraceRows = 3 * kTraceCtas;
 constexpr int kTraceWords = kTraceRows * kTraceSlots;  // the buffer: 6.5 MB
 
@@ -46,6 +54,37 @@ __device__ __forceinline__ uint32_t* trace_row(int row_in_cta) {
   return cta < kTraceCtas ? g_wait_trace + (3 * cta + row_in_cta) * kTraceSlots : nullptr;
 }
 
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ void record_clock_and_time(uint32_t* row, int slot_clock, int slot_ns) {
+  const long long c = clock64();
+  const unsigned long long ns = global_timer_ns();
+  row[slot_clock] = static_cast<uint32_t>(c);
+  row[slot_ns] = static_cast<uint32_t>(ns);
+  row[slot_ns + 1] = static_cast<uint32_t>(ns >> 32);
+}
+
+// Thread 0, first thing in the CTA: its SM and its start.
+__device__ __forceinline__ void trace_cta_entry() {
+  uint32_t* const row = trace_row(2);
+  if (row == nullptr) return;
+  uint32_t sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  row[kTraceSlotSm] = sm;
+  record_clock_and_time(row, kTraceSlotEntry, kTraceSlotEntryNs);
+}
+
+// Thread 0 of consumer warpgroup cw, after its epilogue.
+__device__ __forceinline__ void trace_consumer_exit(int cw) {
+  if ((threadIdx.x & 127) != 0) return;
+  uint32_t* const row = trace_row(cw);
+  if (row != nullptr) record_clock_and_time(row, kTraceSlotExit, kTraceSlotExitNs);
+}
+
 struct WaitTrace {
   uint32_t* row;    // this thread's row, or null: it does not record
   long long start;  // clock64 at the wait for Q
@@ -56,7 +95,10 @@ struct WaitTrace {
   // The mbarrier wait, its cycles recorded in `slot`.
   __device__ __forceinline__ void wait(int slot, uint32_t bar, uint32_t parity) {
     const long long t0 = clock64();
-    if (slot == kTraceSlotQ) start = t0;
+    if (slot == kTraceSlotQ) {
+      start = t0;
+      if (row != nullptr) row[kTraceSlotQClock] = static_cast<uint32_t>(t0);
+    }
     pw_ptx::mbar_wait<false>(bar, parity);
     if (row != nullptr) row[slot] = static_cast<uint32_t>(clock64() - t0);
   }
@@ -100,6 +142,8 @@ struct ProducerTrace {
   }
 };
 #elif defined(PW_SM90_DEVICE_CODE)
+__device__ __forceinline__ void trace_cta_entry() {}
+__device__ __forceinline__ void trace_consumer_exit(int) {}
 struct WaitTrace {
   __device__ __forceinline__ explicit WaitTrace(int) {}
   __device__ __forceinline__ void wait(int, uint32_t bar, uint32_t parity) { pw_ptx::mbar_wait<false>(bar, parity); }

@@ -15,8 +15,10 @@ _spec.loader.exec_module(wait_trace)
 
 ITERS = 32
 K, ITER, V, KEND = 2, 2 + ITERS, 2 + 2 * ITERS, 2 + 3 * ITERS  # consumer slots
-TILES, TOTAL, SLOTS = 2 + 4 * ITERS, 3 + 4 * ITERS, 4 + 4 * ITERS
+TILES, TOTAL, QCLOCK, EXIT, EXIT_NS = 2 + 4 * ITERS, 3 + 4 * ITERS, 4 + 4 * ITERS, 5 + 4 * ITERS, 6 + 4 * ITERS
+SLOTS = 8 + 4 * ITERS
 ISSUE_V = ITERS + 2  # producer slots: K(t)'s issue clock at t, V(t)'s at ISSUE_V + t
+SM, ENTRY, ENTRY_NS = 2 * ITERS + 4, 2 * ITERS + 5, 2 * ITERS + 6  # producer slots: the CTA's SM and start
 
 
 def test_importing_the_script_leaves_the_build_flags_alone():
@@ -44,6 +46,7 @@ def synthetic_trace(ctas: int) -> np.ndarray:
         issue_k = [base - 500, base + 400, (base + 4100) % 2**32, (base + 6450) % 2**32, 0, 0, 0, 0]
         t[c, 2, :8] = issue_k
         t[c, 2, ISSUE_V : ISSUE_V + 8] = [(k - 20) % 2**32 if k else 0 for k in issue_k]  # V(t) 20 cycles earlier
+        t[c, 2, SM] = c  # one CTA per SM, no lifetimes recorded: cta_life's own test covers those
     return t
 
 
@@ -70,3 +73,54 @@ def test_issue_gaps_are_taken_over_ctas_of_eight_tiles_or_more():
     s = wait_trace.summarise(t, ITERS)
     assert s["producer_issue_gap_k"] == 1000  # only CTA 0 has 8 tiles
     assert s["issue_v_minus_k"] == -20  # V before K: signed, not 2^32 - 20
+
+
+def test_the_slots_are_the_kernels():
+    sl = wait_trace.slots(ITERS)
+    assert (sl["tiles"], sl["total"], sl["q_clock"], sl["exit"], sl["exit_ns"]) == (TILES, TOTAL, QCLOCK, EXIT, EXIT_NS)
+    assert (sl["issue_v"], sl["sm"], sl["entry"], sl["entry_ns"]) == (ISSUE_V, SM, ENTRY, ENTRY_NS)
+    assert sl["exit_ns"] + 2 == SLOTS and sl["entry_ns"] + 2 <= SLOTS  # kTraceSlots
+
+
+def put_ns(row: np.ndarray, slot: int, ns: int) -> None:
+    row[slot], row[slot + 1] = ns & 0xFFFFFFFF, ns >> 32
+
+
+def test_cta_life_over_two_sms():
+    """Four CTAs, two per SM, at 2 cycles a ns; clocks near the 32-bit wrap and timer values past 2^32 ns."""
+    t = np.zeros((4, 3, SLOTS), dtype=np.uint32)
+    ns0 = 5 * 2**32  # the timer's high word in use
+    # (SM, start ns, start clock) per CTA; every CTA lives 10 000 ns = 20 000 cycles
+    ctas = [(3, 0, 2**32 - 5000), (3, 10_500, 2**32 - 5000 + 21_000), (7, 100, 40), (7, 10_300, 40 + 20_400)]
+    for c, (sm, start_ns, start_clock) in enumerate(ctas):
+        t[c, 2, SM] = sm
+        t[c, 2, ENTRY] = start_clock % 2**32
+        put_ns(t[c, 2], ENTRY_NS, ns0 + start_ns)
+        for w in (0, 1):
+            t[c, w, TILES], t[c, w, TOTAL] = 4, 15_000 + 100 * w
+            t[c, w, QCLOCK] = (start_clock + 1000 + 10 * w) % 2**32
+            # warpgroup 1 ends last, 3 900 cycles after its loop's end (1 010 + 15 100 + 3 890 = 20 000)
+            t[c, w, EXIT] = (start_clock + 20_000 - 10 * (1 - w)) % 2**32
+            put_ns(t[c, w], EXIT_NS, ns0 + start_ns + 10_000 - (1 - w))
+    life = wait_trace.cta_life(t, ITERS)
+    assert life["ghz"] == 2.0 and life["sms"] == 2
+    assert life["setup"] == 1000  # warpgroup 0's wait for Q
+    assert life["tail"] == 3890 and life["life"] == 20_000
+    assert life["gap"] == (500 + 200) / 2 * 2.0  # ns between CTAs on each SM, in cycles
+    assert life["span_ns"] == 10_500 + 10_000
+
+
+def test_the_report_renders_a_traced_launch():
+    t = synthetic_trace(2)
+    for c in range(2):  # two CTAs on two SMs, 20 000 cycles each at 2 cycles a ns
+        t[c, 2, ENTRY] = 1000
+        put_ns(t[c, 2], ENTRY_NS, 0)
+        for w in (0, 1):
+            t[c, w, QCLOCK] = 2000
+            t[c, w, EXIT] = 21_000
+            put_ns(t[c, w], EXIT_NS, 10_000)
+    text = wait_trace.report(wait_trace.summarise(t, ITERS), "prefill_8x2048", "default")
+    assert "(the launch has more CTAs" not in text
+    # an SM's time per CTA: span 10 us x 2 GHz x 2 SMs / 2 CTAs; setup 1 000 cycles of it
+    assert "2 SMs, 2.000 GHz, span 10.0 us): 20000 cycles" in text
+    assert text.splitlines()[-1].startswith("| 1000 (5.0 %) | 300 (1.5 %) | 40 (0.2 %) |")

@@ -1,8 +1,8 @@
 """A representative launch of every kernel (prefill, pool write, fused prep), small enough for compute-sanitizer
 (memcheck) to finish quickly.
 
-Ragged batch, page_size 5 (tiles straddle pages), GQA 2, a prefix (start > 0), a seq-0 request, every tile; a
-decode batch whose long request the split-KV kernel splits.
+Ragged batch, page_size 5 (tiles straddle pages; cp.async) and 16 (the sm_90a bulk copies), GQA 2, a prefix
+(start > 0), a seq-0 request, every tile; a decode batch whose long request the split-KV kernel splits.
 Prints the max error against the reference; exit code 1 when it is off. ``--prep`` runs only the prep's cases
 (for racecheck, whose cost the attention kernels would dominate).
 """
@@ -22,16 +22,19 @@ def main() -> int:
 
 def attention_cases() -> float:
     worst = 0.0
-    # (seed, seq_lens, start_positions, tile, window_left): each tile on a ragged batch; then decode at the
-    # policy's tile 16 (the split-KV kernel) with no window, whose 3000-key request splits across units.
-    cases = [(tile, [70, 0, 9], [30, 4, 0], tile, 13) for tile in (16, 64, 128)]
-    cases.append((16, [1, 1, 3], [3000, 7, 640], None, -1))
-    for seed, seqs, starts, tile, window_left in cases:
+    # (seed, seq_lens, start_positions, tile, window_left, page_size): each tile on a ragged batch, K/V by cp.async
+    # (page 5); then decode at the policy's tile 16 (the split-KV kernel) with no window, whose 3000-key request
+    # splits across units; then the sm_90a kernel's bulk tensor copies (page 16), with kv_len not a multiple of
+    # 16 (the last page's rows copied by the producer's tail loop).
+    cases = [(tile, [70, 0, 9], [30, 4, 0], tile, 13, 5) for tile in (16, 64, 128)]
+    cases.append((16, [1, 1, 3], [3000, 7, 640], None, -1, 5))
+    cases += [(tile + 1, [70, 0, 9, 130], [30, 4, 0, 301], tile, window, 16) for tile, window in ((64, 13), (128, -1))]
+    for seed, seqs, starts, tile, window_left, page_size in cases:
         case = random_batch(
             torch.Generator().manual_seed(seed),
             seq_lens=seqs,
             start_positions=starts,
-            page_size=5,
+            page_size=page_size,
             num_qo_heads=16,
             num_kv_heads=8,
             head_dim=256,

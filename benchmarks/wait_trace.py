@@ -48,6 +48,7 @@ def slots(iters: int) -> dict[str, int]:
     ``entry``, ``entry_ns``)."""
     c = {"q": 0, "k0": 1, "k": 2, "iter": 2 + iters, "v": 2 + 2 * iters, "k_end": 2 + 3 * iters}
     c.update(tiles=2 + 4 * iters, total=3 + 4 * iters, q_clock=4 + 4 * iters, exit=5 + 4 * iters, exit_ns=6 + 4 * iters)
+    c.update(last_v=8 + 4 * iters, pv_done=9 + 4 * iters, staged=10 + 4 * iters)
     c.update(issue_v=iters + 2, sm=2 * iters + 4, entry=2 * iters + 5, entry_ns=2 * iters + 6)
     return c
 
@@ -60,9 +61,11 @@ def ns_of(trace: np.ndarray, slot: int) -> np.ndarray:
 def cta_life(trace: np.ndarray, iters: int) -> dict:
     """Where an SM's time goes, over the CTAs that ran (``trace`` [C, 3, slots], every CTA of the launch traced):
     mean cycles per CTA from its start to warpgroup 0's wait for Q (``setup``), from the later warpgroup's loop
-    end to the later epilogue end (``tail``), the CTA's whole life (``life``), and the gap from one CTA's end to the
-    next CTA's start on the same SM (``gap``; the global timer's ns at the clock rate measured); the SM clock
-    rate (GHz, from clock and timer over each CTA's life); the launch's span (ns) and the SMs it used."""
+    end to the later epilogue end (``tail``; ``tail_parts`` splits the last-ending warpgroup's: its last PV GEMM
+    with the wait for V(n-1) in it, the staging of O, the global stores), the CTA's whole life (``life``), and the
+    gap from one CTA's end to the next CTA's start on the same SM (``gap``; the global timer's ns at the clock
+    rate measured); the SM clock rate (GHz, from clock and timer over each CTA's life); the launch's span (ns)
+    and the SMs it used."""
     s = slots(iters)
     cons, prod = trace[:, :2], trace[:, 2]  # [C, 2, slots], [C, slots]
     entry = prod[:, s["entry"]].astype(np.int64)  # [C] clock at the CTA's start
@@ -73,6 +76,17 @@ def cta_life(trace: np.ndarray, iters: int) -> dict:
     setup = signed_cycles(q_clock[:, 0] - entry)  # [C]
     life = signed_cycles(exit_clock - entry[:, None]).max(axis=1)  # [C]
     tail = life - signed_cycles(loop_end - entry[:, None]).max(axis=1)  # [C]
+    # the tail of the warpgroup that ends last: its loop end -> PV(n-1) done (the wait for V(n-1) in it) -> O staged
+    # in shared memory -> the epilogue's end
+    last = signed_cycles(exit_clock - entry[:, None]).argmax(axis=1)  # [C]
+    pick = np.arange(len(last)), last
+    pv_done, staged = cons[:, :, s["pv_done"]].astype(np.int64)[pick], cons[:, :, s["staged"]].astype(np.int64)[pick]
+    tail_parts = {
+        "v_wait": float(cons[:, :, s["last_v"]].astype(np.int64)[pick].mean()),
+        "last_pv": float(signed_cycles(pv_done - loop_end[pick]).mean()),
+        "staging": float(signed_cycles(staged - pv_done).mean()),
+        "stores": float(signed_cycles(exit_clock[pick] - staged).mean()),
+    }
     entry_ns, exit_ns = ns_of(prod, s["entry_ns"]), ns_of(cons, s["exit_ns"]).max(axis=1)  # [C]
     life_ns = exit_ns - entry_ns
     ghz = float(np.median(life[life_ns > 0] / life_ns[life_ns > 0])) if (life_ns > 0).any() else float("nan")
@@ -86,6 +100,7 @@ def cta_life(trace: np.ndarray, iters: int) -> dict:
         "ghz": ghz,
         "setup": float(setup.mean()),
         "tail": float(tail.mean()),
+        "tail_parts": tail_parts,
         "life": float(life.mean()),
         "gap": float(np.mean(gaps) * ghz) if gaps else 0.0,
         "span_ns": int(exit_ns.max() - entry_ns.min()),
@@ -182,6 +197,11 @@ def report(s: dict, workload: str, tile: str) -> str:
     loop = total - s["q_wait"] - s["k0_wait"]
     parts = [life["setup"], s["q_wait"], s["k0_wait"], loop, life["tail"], life["life"], life["gap"]]
     out.append("| " + " | ".join(f"{v:.0f} ({100 * v / sm_per_cta:.1f} %)" for v in parts) + " |")
+    tp = life["tail_parts"]
+    out.append(
+        f"After the loop (the warpgroup that ends last): the last PV {tp['last_pv']:.0f} cycles (of which the wait "
+        f"for V(n-1) {tp['v_wait']:.0f}), O staged {tp['staging']:.0f}, the stores {tp['stores']:.0f}"
+    )
     return "\n".join(out)
 
 

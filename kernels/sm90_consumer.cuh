@@ -254,7 +254,7 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
 
     trace.finish(n_tiles - 1, n_tiles);
     // ---- turn n: PV(n-1)
-    mbar_wait<false>(sm.full_v(stage_of(n_tiles - 1)), parity_of(n_tiles - 1));
+    trace.wait(kTraceSlotLastV, sm.full_v(stage_of(n_tiles - 1)), parity_of(n_tiles - 1));
     fence_proxy_async();
     pp.wait_turn();
     wgmma_fence();
@@ -263,6 +263,7 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
     wgmma_commit();
     pp.pass_last_turn();
     wgmma_wait<0>();
+    trace_consumer_clock(cw, kTraceSlotPvDone);
   }
   pin_o();
 }

@@ -5,12 +5,13 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-#include "online_softmax.cuh"  // OnlineSoftmax
-#include "ptx_common.cuh"      // pack_bf16x2, shared loads and stores
-#include "sm90_config.cuh"     // Cfg, Smem, sw128, shapes, named barriers
-#include "sm90_consumer.cuh"   // ConsumerThread
-#include "sm90_ptx.cuh"        // named barriers
-#include "tile_geometry.cuh"   // TileGeometry
+#include "online_softmax.cuh"   // OnlineSoftmax
+#include "ptx_common.cuh"       // pack_bf16x2, shared loads and stores
+#include "sm90_config.cuh"      // Cfg, Smem, sw128, shapes, named barriers
+#include "sm90_consumer.cuh"    // ConsumerThread
+#include "sm90_ptx.cuh"         // named barriers
+#include "sm90_wait_trace.cuh"  // trace_consumer_clock (records only in a -DPW_SM90_WAIT_TRACE=1 build)
+#include "tile_geometry.cuh"    // TileGeometry
 
 #ifdef PW_SM90_DEVICE_CODE
 namespace pw_prefill_sm90 {
@@ -42,6 +43,7 @@ __device__ __forceinline__ void consumer_epilogue(const Params& p, const Smem<kC
     st_shared_b32(a + 8 * kBlockRowBytes, pack_bf16x2(o[4 * n + 2] * inv1, o[4 * n + 3] * inv1));
   }
   __syncwarp();
+  trace_consumer_clock(cw, kTraceSlotStaged);  // a -DPW_SM90_WAIT_TRACE=1 build only
 
   if (p.lse != nullptr && c4 == 0) {
 #pragma unroll

@@ -12,7 +12,9 @@
 //     [kTraceSlotV + j] the wait for V(j) in iteration j, [kTraceSlotKEnd + j] the clock (low 32 bits) at which
 //     the wait for K(j+1) ended, [kTraceSlotTiles] the CTA's KV tiles, [kTraceSlotTotal] the cycles from Q's wait
 //     to the loop's end, [kTraceSlotQClock] the clock at Q's wait, [kTraceSlotExit] the clock at the end of the
-//     epilogue, [kTraceSlotExitNs] (two words, low first) the global timer there in ns;
+//     epilogue, [kTraceSlotExitNs] (two words, low first) the global timer there in ns, [kTraceSlotLastV] the wait
+//     for V(n-1) after the loop, [kTraceSlotPvDone] the clock when PV(n-1) has completed, [kTraceSlotStaged] the
+//     clock when the epilogue has staged O in shared memory (before its global stores);
 //   producer: [t] the clock at which K(t)'s copies were issued (its buffer free), [kTraceSlotIssueV + t] V(t)'s,
 //     t < I + 2; [kTraceSlotSm] the SM the CTA ran on, [kTraceSlotEntry] the clock when the CTA started (before
 //     its barriers are set up), [kTraceSlotEntryNs] (two words) the global timer then.
@@ -36,7 +38,8 @@ constexpr int kTraceSlotIter = kTraceSlotK + kTraceIters, kTraceSlotV = kTraceSl
 constexpr int kTraceSlotKEnd = kTraceSlotV + kTraceIters, kTraceSlotTiles = kTraceSlotKEnd + kTraceIters;
 constexpr int kTraceSlotTotal = kTraceSlotTiles + 1, kTraceSlotQClock = kTraceSlotTotal + 1;
 constexpr int kTraceSlotExit = kTraceSlotQClock + 1, kTraceSlotExitNs = kTraceSlotExit + 1;
-constexpr int kTraceSlots = kTraceSlotExitNs + 2;
+constexpr int kTraceSlotLastV = kTraceSlotExitNs + 2, kTraceSlotPvDone = kTraceSlotLastV + 1;
+constexpr int kTraceSlotStaged = kTraceSlotPvDone + 1, kTraceSlots = kTraceSlotStaged + 1;
 constexpr int kTraceSlotIssueV = kTraceIters + 2;  // producer row: V's issue clocks after K's, then the CTA's start
 constexpr int kTraceSlotSm = kTraceSlotIssueV + kTraceIters + 2, kTraceSlotEntry = kTraceSlotSm + 1;
 constexpr int kTraceSlotEntryNs = kTraceSlotEntry + 1;
@@ -76,6 +79,13 @@ __device__ __forceinline__ void trace_cta_entry() {
   asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
   row[kTraceSlotSm] = sm;
   record_clock_and_time(row, kTraceSlotEntry, kTraceSlotEntryNs);
+}
+
+// Thread 0 of consumer warpgroup cw: the clock (low 32 bits) into `slot` of its row.
+__device__ __forceinline__ void trace_consumer_clock(int cw, int slot) {
+  if ((threadIdx.x & 127) != 0) return;
+  uint32_t* const row = trace_row(cw);
+  if (row != nullptr) row[slot] = static_cast<uint32_t>(clock64());
 }
 
 // Thread 0 of consumer warpgroup cw, after its epilogue.
@@ -143,6 +153,7 @@ struct ProducerTrace {
 };
 #elif defined(PW_SM90_DEVICE_CODE)
 __device__ __forceinline__ void trace_cta_entry() {}
+__device__ __forceinline__ void trace_consumer_clock(int, int) {}
 __device__ __forceinline__ void trace_consumer_exit(int) {}
 struct WaitTrace {
   __device__ __forceinline__ explicit WaitTrace(int) {}

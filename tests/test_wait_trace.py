@@ -16,7 +16,8 @@ _spec.loader.exec_module(wait_trace)
 ITERS = 32
 K, ITER, V, KEND = 2, 2 + ITERS, 2 + 2 * ITERS, 2 + 3 * ITERS  # consumer slots
 TILES, TOTAL, QCLOCK, EXIT, EXIT_NS = 2 + 4 * ITERS, 3 + 4 * ITERS, 4 + 4 * ITERS, 5 + 4 * ITERS, 6 + 4 * ITERS
-SLOTS = 8 + 4 * ITERS
+LAST_V, PV_DONE, STAGED = 8 + 4 * ITERS, 9 + 4 * ITERS, 10 + 4 * ITERS
+SLOTS = 11 + 4 * ITERS
 ISSUE_V = ITERS + 2  # producer slots: K(t)'s issue clock at t, V(t)'s at ISSUE_V + t
 SM, ENTRY, ENTRY_NS = 2 * ITERS + 4, 2 * ITERS + 5, 2 * ITERS + 6  # producer slots: the CTA's SM and start
 
@@ -79,7 +80,8 @@ def test_the_slots_are_the_kernels():
     sl = wait_trace.slots(ITERS)
     assert (sl["tiles"], sl["total"], sl["q_clock"], sl["exit"], sl["exit_ns"]) == (TILES, TOTAL, QCLOCK, EXIT, EXIT_NS)
     assert (sl["issue_v"], sl["sm"], sl["entry"], sl["entry_ns"]) == (ISSUE_V, SM, ENTRY, ENTRY_NS)
-    assert sl["exit_ns"] + 2 == SLOTS and sl["entry_ns"] + 2 <= SLOTS  # kTraceSlots
+    assert (sl["last_v"], sl["pv_done"], sl["staged"]) == (LAST_V, PV_DONE, STAGED)
+    assert sl["staged"] + 1 == SLOTS and sl["entry_ns"] + 2 <= SLOTS  # kTraceSlots
 
 
 def put_ns(row: np.ndarray, slot: int, ns: int) -> None:
@@ -99,13 +101,18 @@ def test_cta_life_over_two_sms():
         for w in (0, 1):
             t[c, w, TILES], t[c, w, TOTAL] = 4, 15_000 + 100 * w
             t[c, w, QCLOCK] = (start_clock + 1000 + 10 * w) % 2**32
-            # warpgroup 1 ends last, 3 900 cycles after its loop's end (1 010 + 15 100 + 3 890 = 20 000)
+            # warpgroup 1 ends last, 3 890 cycles after its loop's end (1 010 + 15 100 + 3 890 = 20 000): its last
+            # PV 1 000 cycles (200 of them waiting for V), staging 400, the stores 2 490
             t[c, w, EXIT] = (start_clock + 20_000 - 10 * (1 - w)) % 2**32
+            t[c, w, LAST_V] = 200 + 5 * (1 - w)
+            t[c, w, PV_DONE] = (start_clock + 1010 + 15_100 + 1000 - 7 * (1 - w)) % 2**32
+            t[c, w, STAGED] = (start_clock + 1010 + 15_100 + 1400 - 7 * (1 - w)) % 2**32
             put_ns(t[c, w], EXIT_NS, ns0 + start_ns + 10_000 - (1 - w))
     life = wait_trace.cta_life(t, ITERS)
     assert life["ghz"] == 2.0 and life["sms"] == 2
     assert life["setup"] == 1000  # warpgroup 0's wait for Q
     assert life["tail"] == 3890 and life["life"] == 20_000
+    assert life["tail_parts"] == {"v_wait": 200, "last_pv": 1000, "staging": 400, "stores": 2490}
     assert life["gap"] == (500 + 200) / 2 * 2.0  # ns between CTAs on each SM, in cycles
     assert life["span_ns"] == 10_500 + 10_000
 
@@ -123,4 +130,5 @@ def test_the_report_renders_a_traced_launch():
     assert "(the launch has more CTAs" not in text
     # an SM's time per CTA: span 10 us x 2 GHz x 2 SMs / 2 CTAs; setup 1 000 cycles of it
     assert "2 SMs, 2.000 GHz, span 10.0 us): 20000 cycles" in text
-    assert text.splitlines()[-1].startswith("| 1000 (5.0 %) | 300 (1.5 %) | 40 (0.2 %) |")
+    assert text.splitlines()[-2].startswith("| 1000 (5.0 %) | 300 (1.5 %) | 40 (0.2 %) |")
+    assert text.splitlines()[-1].startswith("After the loop (the warpgroup that ends last): the last PV")

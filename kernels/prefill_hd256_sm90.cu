@@ -59,23 +59,26 @@ using pw_tile::TileGeometry;
 #ifdef PW_SM90_DEVICE_CODE
 // A consumer warpgroup's role: its mainloop over the tile's KV tiles, then its epilogue.
 template <int kCtaQ, int kWG>
-__device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>& sm) {
+__device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>& sm, const CUtensorMap* map_o,
+                                         bool o_bulk) {
   const TileGeometry t = pw_tile::tile_geometry<kCtaQ, kKvTile>(p, blockIdx.x);
   const ConsumerThread th(p);
   float o[kORegs];                    // O: this thread's fragment of the warpgroup's 64 x 256 fp32 accumulator
   pw_softmax::OnlineSoftmax softmax;  // rows g and g + 8: running max and row sums
   consumer_mainloop<kCtaQ, kWG>(p, sm, t, th, o, softmax);
-  consumer_epilogue<kCtaQ, kWG>(p, sm, t, th, o, softmax);
+  consumer_epilogue<kCtaQ, kWG>(p, sm, t, th, o, softmax, map_o, o_bulk);
   trace_consumer_exit(th.cw);  // a -DPW_SM90_WAIT_TRACE=1 build only
 }
 #endif  // PW_SM90_DEVICE_CODE
 
 // kTma: K/V tiles by bulk tensor copy through map_k / map_v (page_size 8, 16, 32 or a multiple of 64), else by
-// cp.async (the maps are then unused).
+// cp.async (the maps are then unused). o_bulk: a consumer warpgroup whose 64 rows are all the tile's writes them
+// through map_o (the epilogue), else (map_o unused) row by row.
 template <int kCtaQ, int kWG, bool kTma>
 __global__ void __launch_bounds__(Cfg<kCtaQ, kWG>::kThreads, Cfg<kCtaQ, kWG>::kMinBlocks)
     pw_prefill_hd256_sm90_kernel(const __grid_constant__ Params p, const __grid_constant__ CUtensorMap map_k,
-                                 const __grid_constant__ CUtensorMap map_v) {
+                                 const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_o,
+                                 int o_bulk) {
 #ifdef PW_SM90_DEVICE_CODE
   using C = Cfg<kCtaQ, kWG>;
   // Static shared memory exists only in the sm_90a build: the host launcher checks for it (an empty kernel
@@ -104,7 +107,7 @@ __global__ void __launch_bounds__(Cfg<kCtaQ, kWG>::kThreads, Cfg<kCtaQ, kWG>::kM
     }
   } else {  // warpgroups 1 .. kWG: the consumers (mainloop, then epilogue)
     if constexpr (C::kSetMaxNReg) setmaxnreg_inc<C::kConsumerRegs>();
-    consumer<kCtaQ, kWG>(p, sm);
+    consumer<kCtaQ, kWG>(p, sm, &map_o, o_bulk != 0);
   }
 #endif  // PW_SM90_DEVICE_CODE
 }
@@ -208,12 +211,14 @@ static bool encode_kv_maps(const void* pool, long long k_offset, long long v_off
 }
 
 template <int kCtaQ, int kWG, bool kTma>
-static int start(const Params& p, const CUtensorMap (&maps)[2], int grid_tiles, int device, cudaStream_t stream) {
+static int start(const Params& p, const CUtensorMap (&maps)[2], const CUtensorMap& map_o, bool o_bulk, int grid_tiles,
+                 int device, cudaStream_t stream) {
   using C = Cfg<kCtaQ, kWG>;
   const int rc = ensure_smem<kCtaQ, kWG, kTma>(device);
   if (rc != 0) return rc;
   const dim3 grid(static_cast<unsigned>(grid_tiles), static_cast<unsigned>(p.num_kv_heads), 1);
-  pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, kTma><<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, maps[0], maps[1]);
+  pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, kTma>
+      <<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, maps[0], maps[1], map_o, o_bulk ? 1 : 0);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -251,19 +256,71 @@ static bool cached_kv_maps(const void* pool, long long k_offset, long long v_off
   return e.ok;
 }
 
+// A tensor map for bulk copies of a consumer warpgroup's 64 output rows: `out` seen as the 3-D tensor {head dim
+// 256, q head, token} (innermost first), strides 512 B and num_qo_heads * 512 B; box {64, group, 64 / group},
+// 128-byte swizzle (the staging layout). The token extent is the int32 limit: a box is written only when all of its
+// rows are the tile's. Returns false (rows are written one by one) when group does not divide 64, `out` is not
+// 16-byte aligned, or the driver cannot encode the map.
+static bool encode_o_map(void* out, int num_qo_heads, int group, CUtensorMap* map) {
+  if (group < 1 || kWarpgroupRows % group != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0) return false;
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
+  if (encode == nullptr) return false;
+  const cuuint64_t elem = sizeof(__nv_bfloat16);
+  const cuuint64_t dims[3] = {kPwPrefillHeadDim, static_cast<cuuint64_t>(num_qo_heads), 0x7fffffffull};
+  const cuuint64_t strides[2] = {kPwPrefillHeadDim * elem,
+                                 static_cast<cuuint64_t>(num_qo_heads) * kPwPrefillHeadDim * elem};
+  const cuuint32_t box[3] = {static_cast<cuuint32_t>(kBlockCols), static_cast<cuuint32_t>(group),
+                             static_cast<cuuint32_t>(kWarpgroupRows / group)};
+  const cuuint32_t unit[3] = {1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, out, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// encode_o_map behind a small per-thread cache (a serving loop often writes into the same buffer every step).
+static bool cached_o_map(void* out, int num_qo_heads, int group, CUtensorMap* map) {
+  constexpr int kEntries = 4;
+  struct Entry {
+    void* out;
+    int num_qo_heads, group;
+    bool ok;
+    CUtensorMap map;
+  };
+  thread_local Entry cache[kEntries] = {};
+  thread_local int next = 0;
+  for (const Entry& e : cache) {
+    if (e.out == out && e.out != nullptr && e.num_qo_heads == num_qo_heads && e.group == group) {
+      memcpy(map, &e.map, sizeof(e.map));
+      return e.ok;
+    }
+  }
+  Entry& e = cache[next];
+  next = (next + 1) % kEntries;
+  e.ok = encode_o_map(out, num_qo_heads, group, &e.map);
+  e.out = out;
+  e.num_qo_heads = num_qo_heads;
+  e.group = group;
+  memcpy(map, &e.map, sizeof(e.map));
+  return e.ok;
+}
+
 // The device/binary check (both instantiations of a tile come from one build), the empty-grid return, then the
-// K/V copy path: bulk copies when the maps encode, else cp.async (the maps are then passed unused).
+// K/V copy path: bulk copies when the maps encode, else cp.async (the maps are then passed unused); and the
+// output path: bulk copies of whole warpgroups' rows when out's map encodes.
 template <int kCtaQ, int kWG>
 static int launch(const Params& p, int grid_tiles, int device, cudaStream_t stream) {
   const int rc = check_arch<kCtaQ, kWG>(device);
   if (rc != 0) return rc;
   if (grid_tiles == 0) return PW_PREFILL_OK;  // nothing to launch
+  CUtensorMap map_o;
+  const bool o_bulk = cached_o_map(p.out, p.num_qo_heads, p.group, &map_o);
+  if (!o_bulk) memset(&map_o, 0, sizeof(map_o));
   CUtensorMap maps[2];
   if (cached_kv_maps(p.pool, p.k_offset, p.v_offset, p.page_stride, p.page_size, p.num_kv_heads, maps)) {
-    return start<kCtaQ, kWG, true>(p, maps, grid_tiles, device, stream);
+    return start<kCtaQ, kWG, true>(p, maps, map_o, o_bulk, grid_tiles, device, stream);
   }
   memset(maps, 0, sizeof(maps));
-  return start<kCtaQ, kWG, false>(p, maps, grid_tiles, device, stream);
+  return start<kCtaQ, kWG, false>(p, maps, map_o, o_bulk, grid_tiles, device, stream);
 }
 
 }  // namespace pw_prefill_sm90

@@ -5,6 +5,8 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
+#include <cuda.h>  // CUtensorMap
+
 #include "online_softmax.cuh"   // OnlineSoftmax
 #include "ptx_common.cuh"       // pack_bf16x2, shared loads and stores
 #include "sm90_config.cuh"      // Cfg, Smem, sw128, shapes, named barriers
@@ -19,11 +21,16 @@ namespace pw_prefill_sm90 {
 using pw_tile::TileGeometry;
 
 // The epilogue of consumer warpgroup cw after its mainloop: O / l as bf16, staged in the warpgroup's own Q rows
-// (the same swizzled layout), then copied out 16 B per lane, one 512-byte row per warp instruction; and the LSE.
+// (the same swizzled layout), then written to `out`; and the LSE. When all 64 of the warpgroup's rows are the
+// tile's and the host gave a map of `out` (o_bulk), one thread writes them with four bulk tensor copies (one per
+// 64-column block: box {64 dims, group heads, 64 / group tokens}, the 128-byte swizzle undone by the copy) and
+// waits only until they have read shared memory; otherwise each warp copies its 16 rows out, 16 B per lane and
+// one 512-byte row per instruction.
 template <int kCtaQ, int kWG>
 __device__ __forceinline__ void consumer_epilogue(const Params& p, const Smem<kCtaQ, kWG>& sm, const TileGeometry& t,
                                                   const ConsumerThread& th, const float (&o)[kORegs],
-                                                  pw_softmax::OnlineSoftmax& softmax) {
+                                                  pw_softmax::OnlineSoftmax& softmax, const CUtensorMap* map_o,
+                                                  bool o_bulk) {
   using C = Cfg<kCtaQ, kWG>;
   const int kv_head = th.kv_head, cw = th.cw, warp = th.warp, lane = th.lane, g = th.g, c4 = th.c4;
   const int group = th.group;
@@ -56,6 +63,22 @@ __device__ __forceinline__ void consumer_epilogue(const Params& p, const Smem<kC
         p.lse[static_cast<long long>(t.qo_begin + tok) * p.num_qo_heads + head] = softmax.lse(h);
       }
     }
+  }
+
+  if (o_bulk && t.rows_valid >= kWarpgroupRows * (cw + 1)) {  // uniform across the warpgroup
+    fence_proxy_async();                                      // the staged rows, visible to the bulk copies
+    named_bar_sync(kBarEpilogue + cw, kWarpgroupThreads);     // all four warps have staged theirs
+    if (warp == 0 && lane == 0) {
+      const int token0 = t.qo_begin + (t.row0 + kWarpgroupRows * cw) / group;  // group divides 64 (the host checks)
+#pragma unroll
+      for (int b = 0; b < kHeadDim / kBlockCols; ++b) {
+        tma_store_3d(map_o, sm.q + b * C::kQBlockBytes + cw * kWarpgroupRows * kBlockRowBytes, b * kBlockCols,
+                     kv_head * group, token0);
+      }
+      bulk_commit_group();
+      bulk_wait_group_read_all();  // the Q buffer stays the CTA's until this thread exits
+    }
+    return;
   }
 
   // The warp reads back exactly the 16 rows it wrote.

@@ -21,7 +21,7 @@
 //     online softmax (online_softmax.cuh, shared with the other kernels), O += P V (wgmma m64n256k16, P from
 //     registers); S(j+1) and PV(j) are issued together and softmax(j+1) overlaps PV(j); two consumer
 //     warpgroups ping-pong through named barriers. Epilogue (sm90_epilogue.cuh): O / l to bf16 through shared
-//     memory, and the LSE.
+//     memory (written out by bulk tensor copies for whole warpgroups, row by row otherwise), and the LSE.
 //   * KV tiles wholly left of the window are never read (tile_geometry.cuh, shared with prefill_hd256.cu): the
 //     loop starts at the window's left edge of the tile's first query row (rounded down to 64) and ends at the
 //     last query row's position; only boundary tiles are masked.

@@ -222,39 +222,50 @@ static int start(const Params& p, const CUtensorMap (&maps)[2], const CUtensorMa
   return static_cast<int>(cudaGetLastError());
 }
 
-// encode_kv_maps behind a small per-thread cache: a serving loop launches on the same pool and layer every step,
-// and the maps depend only on these six values. Entries are replaced in turn.
-static bool cached_kv_maps(const void* pool, long long k_offset, long long v_offset, long long page_stride,
-                           int page_size, int num_kv_heads, CUtensorMap* maps) {
+// The tensor maps a launch needs depend only on a few values of the call (its key), and a serving loop launches
+// on the same pool, layer and output buffer every step: the last kEntries encodings per key type are kept per
+// host thread (one cache per key type, shared by every tile's launcher), replaced in turn. On a miss,
+// Key::encode(key, maps) fills the new entry and says whether its maps are usable; the entry's answer is returned
+// with a copy of its maps.
+template <typename Key, int kMaps>
+static bool cached_maps(const Key& key, CUtensorMap (&maps)[kMaps]) {
   constexpr int kEntries = 4;
   struct Entry {
-    const void* pool;
-    long long k_offset, v_offset, page_stride;
-    int page_size, num_kv_heads;
+    bool used;
+    Key key;
     bool ok;
-    CUtensorMap maps[2];
+    CUtensorMap maps[kMaps];
   };
   thread_local Entry cache[kEntries] = {};
   thread_local int next = 0;
   for (const Entry& e : cache) {
-    if (e.pool == pool && e.pool != nullptr && e.k_offset == k_offset && e.v_offset == v_offset &&
-        e.page_stride == page_stride && e.page_size == page_size && e.num_kv_heads == num_kv_heads) {
+    if (e.used && e.key == key) {
       memcpy(maps, e.maps, sizeof(e.maps));
       return e.ok;
     }
   }
   Entry& e = cache[next];
   next = (next + 1) % kEntries;
-  e.ok = encode_kv_maps(pool, k_offset, v_offset, page_stride, page_size, num_kv_heads, e.maps);
-  e.pool = pool;
-  e.k_offset = k_offset;
-  e.v_offset = v_offset;
-  e.page_stride = page_stride;
-  e.page_size = page_size;
-  e.num_kv_heads = num_kv_heads;
+  e.ok = Key::encode(key, e.maps);
+  e.key = key;
+  e.used = true;
   memcpy(maps, e.maps, sizeof(e.maps));
   return e.ok;
 }
+
+// What the K/V maps depend on (encode_kv_maps' arguments).
+struct KvMapKey {
+  const void* pool;
+  long long k_offset, v_offset, page_stride;
+  int page_size, num_kv_heads;
+  bool operator==(const KvMapKey& o) const {
+    return pool == o.pool && k_offset == o.k_offset && v_offset == o.v_offset && page_stride == o.page_stride &&
+           page_size == o.page_size && num_kv_heads == o.num_kv_heads;
+  }
+  static bool encode(const KvMapKey& k, CUtensorMap (&maps)[2]) {
+    return encode_kv_maps(k.pool, k.k_offset, k.v_offset, k.page_stride, k.page_size, k.num_kv_heads, maps);
+  }
+};
 
 // A tensor map for bulk copies of a consumer warpgroup's 64 output rows: `out` seen as the 3-D tensor {head dim
 // 256, q head, token} (innermost first), strides 512 B and num_qo_heads * 512 B; box {64, group, 64 / group},
@@ -277,32 +288,15 @@ static bool encode_o_map(void* out, int num_qo_heads, int group, CUtensorMap* ma
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// encode_o_map behind a small per-thread cache (a serving loop often writes into the same buffer every step).
-static bool cached_o_map(void* out, int num_qo_heads, int group, CUtensorMap* map) {
-  constexpr int kEntries = 4;
-  struct Entry {
-    void* out;
-    int num_qo_heads, group;
-    bool ok;
-    CUtensorMap map;
-  };
-  thread_local Entry cache[kEntries] = {};
-  thread_local int next = 0;
-  for (const Entry& e : cache) {
-    if (e.out == out && e.out != nullptr && e.num_qo_heads == num_qo_heads && e.group == group) {
-      memcpy(map, &e.map, sizeof(e.map));
-      return e.ok;
-    }
+// What out's map depends on (encode_o_map's arguments).
+struct OMapKey {
+  void* out;
+  int num_qo_heads, group;
+  bool operator==(const OMapKey& o) const { return out == o.out && num_qo_heads == o.num_qo_heads && group == o.group; }
+  static bool encode(const OMapKey& k, CUtensorMap (&map)[1]) {
+    return encode_o_map(k.out, k.num_qo_heads, k.group, &map[0]);
   }
-  Entry& e = cache[next];
-  next = (next + 1) % kEntries;
-  e.ok = encode_o_map(out, num_qo_heads, group, &e.map);
-  e.out = out;
-  e.num_qo_heads = num_qo_heads;
-  e.group = group;
-  memcpy(map, &e.map, sizeof(e.map));
-  return e.ok;
-}
+};
 
 // The device/binary check (both instantiations of a tile come from one build), the empty-grid return, then the
 // K/V copy path: bulk copies when the maps encode, else cp.async (the maps are then passed unused); and the
@@ -312,15 +306,15 @@ static int launch(const Params& p, int grid_tiles, int device, cudaStream_t stre
   const int rc = check_arch<kCtaQ, kWG>(device);
   if (rc != 0) return rc;
   if (grid_tiles == 0) return PW_PREFILL_OK;  // nothing to launch
-  CUtensorMap map_o;
-  const bool o_bulk = cached_o_map(p.out, p.num_qo_heads, p.group, &map_o);
-  if (!o_bulk) memset(&map_o, 0, sizeof(map_o));
+  CUtensorMap map_o[1];
+  const bool o_bulk = cached_maps(OMapKey{p.out, p.num_qo_heads, p.group}, map_o);
+  if (!o_bulk) memset(map_o, 0, sizeof(map_o));
   CUtensorMap maps[2];
-  if (cached_kv_maps(p.pool, p.k_offset, p.v_offset, p.page_stride, p.page_size, p.num_kv_heads, maps)) {
-    return start<kCtaQ, kWG, true>(p, maps, map_o, o_bulk, grid_tiles, device, stream);
+  if (cached_maps(KvMapKey{p.pool, p.k_offset, p.v_offset, p.page_stride, p.page_size, p.num_kv_heads}, maps)) {
+    return start<kCtaQ, kWG, true>(p, maps, map_o[0], o_bulk, grid_tiles, device, stream);
   }
   memset(maps, 0, sizeof(maps));
-  return start<kCtaQ, kWG, false>(p, maps, map_o, o_bulk, grid_tiles, device, stream);
+  return start<kCtaQ, kWG, false>(p, maps, map_o[0], o_bulk, grid_tiles, device, stream);
 }
 
 }  // namespace pw_prefill_sm90

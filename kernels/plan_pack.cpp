@@ -147,7 +147,7 @@ int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int 
     packed[o_last + i] = static_cast<int32_t>(l);
     start_positions[i] = static_cast<int32_t>((kv[i + 1] - kv[i] - 1) * page_size + l - seq);
     const int64_t n = (seq * group + tile - 1) / tile;
-    for (int64_t k = 0; k < n; ++k, ++t) {
+    for (int64_t k = n - 1; k >= 0; --k, ++t) {  // the request's last tile first (plan.py's tile order)
       packed[o_request + t] = static_cast<int32_t>(i);
       packed[o_qo_tile + t] = static_cast<int32_t>(k);
     }

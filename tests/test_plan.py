@@ -47,6 +47,20 @@ def test_good_plan_arrays():
     assert plan.page_indices.dtype == torch.int32
 
 
+def test_each_request_lists_its_tiles_last_first():
+    """Request by request, the tile with the request's latest rows (the most keys under bottom-right alignment)
+    first, so that a launch's last CTAs are short ones; requests of one tile keep tile 0."""
+    plan = build(
+        page_indices=[[0, 1, 2, 3, 4], [5], [6, 7, 8, 9]],
+        last_page_lens=[4, 2, 1],
+        start_positions=[0, 0, 10],
+        seq_lens=[20, 2, 3],
+        cta_tile_q=16,
+    )  # packed rows 40, 4, 6 at group 2: 3, 1 and 1 tiles of 16
+    assert plan.request_indices.tolist() == [0, 0, 0, 1, 2]
+    assert plan.qo_tile_indices.tolist() == [2, 1, 0, 0, 0]
+
+
 def test_the_policy_reads_the_decode_kernels_split_rule():
     """The policy predicts the decode kernel's splits from constants that mirror ``kernels/decode_hd256.cu``."""
     source = (Path(__file__).resolve().parents[1] / "kernels" / "decode_hd256.cu").read_text()
@@ -185,11 +199,11 @@ def test_plans_take_the_policy_tile_and_an_explicit_tile_wins():
         explicit = pw.PrefillPagedPlan.single(list(range(17)), 4, 0, 68, **HEADS, cta_tile_q=tile, device="cpu")
         assert explicit.cta_tile_q == tile and explicit.tile_reason == "explicit"
         assert explicit.num_tiles == -(-136 // tile)
-        assert explicit.qo_tile_indices.tolist() == list(range(-(-136 // tile)))
+        assert explicit.qo_tile_indices.tolist() == list(reversed(range(-(-136 // tile))))  # last tile first
         assert f"tile: cta_tile_q={tile} (explicit)" in explicit.describe()
     assert build(
         page_indices=[[3, 1, 2, 4, 5]], last_page_lens=[1], start_positions=[0], seq_lens=[17], cta_tile_q=16
-    ).qo_tile_indices.tolist() == [0, 1, 2]
+    ).qo_tile_indices.tolist() == [2, 1, 0]
 
 
 def test_preallocated_fixes_its_tile_from_capacity():

@@ -15,7 +15,10 @@ Rules, each checked with vectorised array operations (no Python loop over pages 
 - ``max_page_index`` / ``max_last_page_len`` are recorded for the wrappers to compare with the pool;
 - a plan fixes its query tile when it is created (explicit, or ``tiles``' policy) and every update lays out
   with it: a CUDA graph captured a launch with that tile. An explicit different tile at update is refused;
-- ``update`` / ``update_csr`` compute and check everything before they change anything.
+- ``update`` / ``update_csr`` compute and check everything before they change anything;
+- the tile list runs request by request, and each request's tiles last first: a request's later query rows see
+  more keys (bottom-right alignment), so its longest tiles start first and a launch's last wave is made of short
+  ones (the kernels take tiles in list order).
 
 Two implementations of those checks accept exactly the same batches and build the same state: one compiled pass
 (``pw_plan_pack`` in ``kernels/plan_pack.cpp``, from the kernels' library: it runs wherever that library is
@@ -363,7 +366,8 @@ def _check_shared_pages(
 
 
 def _tiles(seq: np.ndarray, group: int, tile: int, total_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """``request_indices`` and ``qo_tile_indices`` [num_tiles]: request i gets ceil(seq_i * group / tile)."""
+    """``request_indices`` and ``qo_tile_indices`` [num_tiles]: request i gets ceil(seq_i * group / tile) tiles,
+    its last first (the module docstring's tile order)."""
     batch = len(seq)
     if total_tokens == batch and group <= tile and seq.min() == 1:  # one row per request (decode): one tile each
         return _arange(batch), _zeros(batch)
@@ -372,8 +376,8 @@ def _tiles(seq: np.ndarray, group: int, tile: int, total_tokens: int) -> tuple[n
         return _arange(batch), _zeros(batch)
     num_tiles = checked_i32("num_tiles", int(per_request.sum()))
     request_indices = np.repeat(_arange(batch), per_request)  # [num_tiles]
-    first = np.cumsum(per_request) - per_request  # [batch] first tile of each request
-    qo_tile_indices = (np.arange(num_tiles) - np.repeat(first, per_request)).astype(np.int32)  # [num_tiles]
+    past = np.cumsum(per_request)  # [batch] one past each request's tiles in the list
+    qo_tile_indices = (np.repeat(past, per_request) - 1 - np.arange(num_tiles)).astype(np.int32)  # [num_tiles]
     return request_indices, qo_tile_indices
 
 

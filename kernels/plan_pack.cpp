@@ -10,6 +10,7 @@
 //   [0..3)  batch, total_tokens, num_tiles
 //   page_indptr [batch + 1], last_page_len [batch], qo_indptr [batch + 1],
 //   request_indices [num_tiles], qo_tile_indices [num_tiles], page_indices [total_pages]
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -71,6 +72,30 @@ enum PwPackStatus {
 };
 
 constexpr int PW_PACK_SCALARS = 11;  // pagedwindow.plan._PACK_SCALARS
+
+// The tile list, built request by request, reordered longest first (plan.py's _tiles): by the end of the tile's
+// keys, one past its last query position (start + ceil(rows_end / group)), largest first, ties in list order.
+static void order_longest_first(int32_t* requests, int32_t* qo_tiles, int64_t num_tiles, const int32_t* start,
+                                const Ints& qo, int64_t group, int64_t tile) {
+  static thread_local std::vector<int64_t> keys;
+  static thread_local std::vector<int32_t> order, scratch;
+  keys.resize(num_tiles);
+  bool sorted = true;
+  for (int64_t t = 0; t < num_tiles; ++t) {
+    const int64_t i = requests[t], rows = (qo[i + 1] - qo[i]) * group, end = (qo_tiles[t] + 1) * tile;
+    keys[t] = start[i] + ((end < rows ? end : rows) + group - 1) / group;
+    sorted = sorted && (t == 0 || keys[t] <= keys[t - 1]);
+  }
+  if (sorted) return;
+  order.resize(num_tiles);
+  for (int64_t t = 0; t < num_tiles; ++t) order[t] = static_cast<int32_t>(t);
+  std::stable_sort(order.begin(), order.end(), [](int32_t a, int32_t b) { return keys[a] > keys[b]; });
+  scratch.resize(num_tiles);
+  for (int32_t* column : {requests, qo_tiles}) {
+    for (int64_t t = 0; t < num_tiles; ++t) scratch[t] = column[order[t]];
+    std::memcpy(column, scratch.data(), num_tiles * sizeof(int32_t));
+  }
+}
 
 extern "C" {
 
@@ -152,6 +177,7 @@ int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int 
       packed[o_qo_tile + t] = static_cast<int32_t>(k);
     }
   }
+  order_longest_first(packed + o_request, packed + o_qo_tile, num_tiles, start_positions, qo, group, tile);
   scalars[0] = static_cast<int32_t>(high);
   scalars[1] = static_cast<int32_t>(max_last);
   scalars[2] = static_cast<int32_t>(total_tokens);

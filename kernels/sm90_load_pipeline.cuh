@@ -155,12 +155,12 @@ __device__ __forceinline__ void producer_cp_async(const Params& p, const Smem<kC
 }
 
 // TMA producer (page_size 8, 16, 32 or a multiple of 64; the host checks). Warps 0-3 load Q with cp.async;
-// then warp 0 copies K(j) and warp 1 V(j) of every KV tile. A 64-key tile is 64 / box_rows chunks of box_rows =
-// min(page_size, 64) keys inside one page; lane 4c + b copies 64-column block b of chunk c with one bulk tensor
-// copy: box {64 dims, 1 head, box_rows slots, 1 page} of the map, written with the 128-byte swizzle into
-// exactly the layout the cp.async producer writes. A chunk reaching past the request's kv_len (only in the last
-// tile of a request) is copied row by row by the warp instead, zeros past kv_len, so that no slot past the
-// request's length (unspecified contents, possibly NaN) reaches the PV GEMM. Lane 0 arrives on the buffer's
+// then warp 0 copies K(j) and warp 1 V(j) of every KV tile (their first tile's page ids loaded before Q). A 64-key tile
+// is 64 / box_rows chunks of box_rows = min(page_size, 64) keys inside one page; lane 4c + b copies 64-column block b
+// of chunk c with one bulk tensor copy: box {64 dims, 1 head, box_rows slots, 1 page} of the map, written with the
+// 128-byte swizzle into exactly the layout the cp.async producer writes. A chunk reaching past the request's kv_len
+// (only in the last tile of a request) is copied row by row by the warp instead, zeros past kv_len, so that no slot
+// past the request's length (unspecified contents, possibly NaN) reaches the PV GEMM. Lane 0 arrives on the buffer's
 // "full" barrier with the tile's bulk-copy byte count (count 1 per phase); the phase completes when they land.
 template <int kCtaQ, int kWG>
 __device__ __forceinline__ void producer_tma(const Params& p, const Smem<kCtaQ, kWG>& sm, const CUtensorMap* map_k,
@@ -169,14 +169,6 @@ __device__ __forceinline__ void producer_tma(const Params& p, const Smem<kCtaQ, 
   const int kv_head = blockIdx.y;
   const int warp = (threadIdx.x >> 5) & 3;
   const int lane = threadIdx.x & 31;
-  load_q(p, sm, t, kv_head, warp, lane);
-  if (warp >= 2) {
-    cp_async_wait_all();
-    return;
-  }
-  const bool is_k = warp == 0;
-  const CUtensorMap* const map = is_k ? map_k : map_v;
-  const __nv_bfloat16* const pool_lane = p.pool + (is_k ? p.k_offset : p.v_offset) + lane * kChunkElems;
   const int ps = p.page_size;
   const int box_rows = min(ps, kKvTile);
   const uint32_t box_bytes = static_cast<uint32_t>(box_rows) * kBlockRowBytes;
@@ -191,8 +183,17 @@ __device__ __forceinline__ void producer_tma(const Params& p, const Smem<kCtaQ, 
   const int step_pi = kKvTile / ps;
   const int step_slot = kKvTile - step_pi * ps;
   auto box_inside = [&](int x) { return has_box && x + box_rows <= t.kv_len; };
-  int page = 0;  // page id of the current tile's chunk, loaded one tile ahead
-  if (box_inside(pos)) page = __ldg(pages + pi);
+  int page = 0;  // page id of the current tile's chunk, loaded one tile ahead: tile 0's in flight while Q is issued
+  if (warp < 2 && box_inside(pos)) page = __ldg(pages + pi);
+
+  load_q(p, sm, t, kv_head, warp, lane);
+  if (warp >= 2) {
+    cp_async_wait_all();
+    return;
+  }
+  const bool is_k = warp == 0;
+  const CUtensorMap* const map = is_k ? map_k : map_v;
+  const __nv_bfloat16* const pool_lane = p.pool + (is_k ? p.k_offset : p.v_offset) + lane * kChunkElems;
   ProducerTrace trace(lane);  // records only in a -DPW_SM90_WAIT_TRACE=1 build
 
 #pragma unroll 1

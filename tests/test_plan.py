@@ -47,6 +47,42 @@ def test_good_plan_arrays():
     assert plan.page_indices.dtype == torch.int32
 
 
+def test_the_tile_list_is_longest_first():
+    """Tiles sorted by the end of their keys (start + the tile's last new row), largest first, ties in request
+    order: a launch's first CTAs are its longest and its last wave is made of short ones."""
+    plan = build(
+        page_indices=[[0, 1, 2, 3, 4], [5], [6, 7, 8, 9]],
+        last_page_lens=[4, 2, 1],
+        start_positions=[0, 0, 10],
+        seq_lens=[20, 2, 3],
+        cta_tile_q=16,
+    )  # packed rows 40, 4, 6 at group 2: 3, 1 and 1 tiles of 16; their keys end at 8, 16, 20 | 2 | 13
+    assert plan.request_indices.tolist() == [0, 0, 2, 0, 1]
+    assert plan.qo_tile_indices.tolist() == [2, 1, 0, 0, 0]
+
+
+def test_one_tile_requests_are_listed_longest_first_and_ties_keep_request_order():
+    """Decode (one row each) and short prompts (one tile each): requests by kv_len, largest first; equal kv_lens
+    keep their order, so a uniform batch keeps 0 .. batch-1."""
+    decode = build(
+        page_indices=[[0], [1, 2], [3], [4, 5]],
+        last_page_lens=[3, 1, 3, 1],
+        start_positions=[2, 4, 2, 4],
+        seq_lens=[1, 1, 1, 1],
+        cta_tile_q=16,
+    )  # kv_len 3, 5, 3, 5
+    assert decode.request_indices.tolist() == [1, 3, 0, 2]
+    assert decode.qo_tile_indices.tolist() == [0, 0, 0, 0]
+    uniform = build(
+        page_indices=[[0], [1], [2]],
+        last_page_lens=[4, 4, 4],
+        start_positions=[3, 3, 3],
+        seq_lens=[1, 1, 1],
+        cta_tile_q=16,
+    )
+    assert uniform.request_indices.tolist() == [0, 1, 2]
+
+
 def test_the_policy_reads_the_decode_kernels_split_rule():
     """The policy predicts the decode kernel's splits from constants that mirror ``kernels/decode_hd256.cu``."""
     source = (Path(__file__).resolve().parents[1] / "kernels" / "decode_hd256.cu").read_text()
@@ -185,11 +221,11 @@ def test_plans_take_the_policy_tile_and_an_explicit_tile_wins():
         explicit = pw.PrefillPagedPlan.single(list(range(17)), 4, 0, 68, **HEADS, cta_tile_q=tile, device="cpu")
         assert explicit.cta_tile_q == tile and explicit.tile_reason == "explicit"
         assert explicit.num_tiles == -(-136 // tile)
-        assert explicit.qo_tile_indices.tolist() == list(range(-(-136 // tile)))
+        assert explicit.qo_tile_indices.tolist() == list(reversed(range(-(-136 // tile))))  # last tile first
         assert f"tile: cta_tile_q={tile} (explicit)" in explicit.describe()
     assert build(
         page_indices=[[3, 1, 2, 4, 5]], last_page_lens=[1], start_positions=[0], seq_lens=[17], cta_tile_q=16
-    ).qo_tile_indices.tolist() == [0, 1, 2]
+    ).qo_tile_indices.tolist() == [2, 1, 0]
 
 
 def test_preallocated_fixes_its_tile_from_capacity():

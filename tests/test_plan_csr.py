@@ -550,7 +550,13 @@ def test_random_shared_pages_accepted_iff_no_slot_conflict(b):
         for p in range(t * tile, min((t + 1) * tile, rows)):
             covered[(r, p)] = covered.get((r, p), 0) + 1
     assert covered == {(r, p): 1 for r, s in enumerate(seqs) for p in range(s * group)}
-    assert plan.request_indices.tolist() == sorted(plan.request_indices.tolist())
+
+    # longest first: by the end of the tile's keys, largest first, ties in request order and tile order
+    def key_end(r, t):
+        return starts[r] + -(-min((t + 1) * tile, seqs[r] * group) // group)
+
+    listed = list(zip(plan.request_indices.tolist(), plan.qo_tile_indices.tolist()))
+    assert listed == sorted(listed, key=lambda rt: (-key_end(*rt), rt))
 
 
 # -- from_dict is a trust boundary ---------------------------------------------------------------------------

@@ -15,7 +15,11 @@ Rules, each checked with vectorised array operations (no Python loop over pages 
 - ``max_page_index`` / ``max_last_page_len`` are recorded for the wrappers to compare with the pool;
 - a plan fixes its query tile when it is created (explicit, or ``tiles``' policy) and every update lays out
   with it: a CUDA graph captured a launch with that tile. An explicit different tile at update is refused;
-- ``update`` / ``update_csr`` compute and check everything before they change anything.
+- ``update`` / ``update_csr`` compute and check everything before they change anything;
+- the tile list is longest first: tiles sorted by the end of their keys (one past the tile's last query position,
+  under bottom-right alignment), largest first, ties in request order. The kernels take tiles in list order, so
+  the longest start first and a launch's last wave is made of the shortest (the end of the keys orders tiles by
+  their work with or without a window: under a window every tile past the window's length does the same work).
 
 Two implementations of those checks accept exactly the same batches and build the same state: one compiled pass
 (``pw_plan_pack`` in ``kernels/plan_pack.cpp``, from the kernels' library: it runs wherever that library is
@@ -362,19 +366,30 @@ def _check_shared_pages(
             )
 
 
-def _tiles(seq: np.ndarray, group: int, tile: int, total_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """``request_indices`` and ``qo_tile_indices`` [num_tiles]: request i gets ceil(seq_i * group / tile)."""
+def _tiles(
+    seq: np.ndarray, start: np.ndarray, group: int, tile: int, total_tokens: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``request_indices`` and ``qo_tile_indices`` [num_tiles]: request i (``seq_i`` new rows from position
+    ``start_i``) gets ceil(seq_i * group / tile) tiles, listed longest first (the module docstring's tile order)."""
     batch = len(seq)
     if total_tokens == batch and group <= tile and seq.min() == 1:  # one row per request (decode): one tile each
-        return _arange(batch), _zeros(batch)
+        return _longest_first(start + 1), _zeros(batch)
     per_request = -(-(seq * group) // tile)  # [batch]
     if per_request.max() <= 1 and per_request.min() == 1:  # one tile per request (short prompts)
-        return _arange(batch), _zeros(batch)
+        return _longest_first(start + seq), _zeros(batch)
     num_tiles = checked_i32("num_tiles", int(per_request.sum()))
-    request_indices = np.repeat(_arange(batch), per_request)  # [num_tiles]
+    request_indices = np.repeat(_arange(batch), per_request)  # [num_tiles] request by request
     first = np.cumsum(per_request) - per_request  # [batch] first tile of each request
-    qo_tile_indices = (np.arange(num_tiles) - np.repeat(first, per_request)).astype(np.int32)  # [num_tiles]
-    return request_indices, qo_tile_indices
+    qo_tile_indices = np.arange(num_tiles) - np.repeat(first, per_request)  # [num_tiles]
+    rows_end = np.minimum((qo_tile_indices + 1) * tile, np.repeat(seq * group, per_request))  # [num_tiles]
+    keys_end = np.repeat(start, per_request) + (rows_end + group - 1) // group  # [num_tiles] one past the last key
+    order = np.argsort(-keys_end, kind="stable")  # [num_tiles]
+    return request_indices[order], qo_tile_indices[order].astype(np.int32)
+
+
+def _longest_first(keys_end: np.ndarray) -> np.ndarray:
+    """The requests of one tile each, ordered by ``keys_end [batch]`` largest first, ties in request order."""
+    return np.argsort(-keys_end, kind="stable").astype(np.int32)  # [batch]
 
 
 @functools.lru_cache(maxsize=16)
@@ -540,7 +555,7 @@ def _state_from_csr(
         tile, reason = tile_for_batch(
             seq, heads.group, heads.num_kv_heads, _policy_device(device), longest_kv_len=lambda: int(kv_len.max())
         )
-    request_indices, qo_tile_indices = _tiles(seq, heads.group, tile, total_tokens)
+    request_indices, qo_tile_indices = _tiles(seq, start, heads.group, tile, total_tokens)
     num_tiles = len(request_indices)
     # One int32 block in the buffer's segment order, exactly full: the state's arrays are views of it, and it is
     # what an exact-size plan uploads as it is.

@@ -73,23 +73,27 @@ enum PwPackStatus {
 
 constexpr int PW_PACK_SCALARS = 11;  // pagedwindow.plan._PACK_SCALARS
 
-// The tile list, built request by request, reordered longest first (plan.py's _tiles): by the end of the tile's
-// keys, one past its last query position (start + ceil(rows_end / group)), largest first, ties in list order.
-static void order_longest_first(int32_t* requests, int32_t* qo_tiles, int64_t num_tiles, const int32_t* start,
-                                const Ints& qo, int64_t group, int64_t tile) {
+// The tile list of a packed block, built request by request, reordered longest first (plan.py's _tiles): by the
+// end of the tile's keys, one past its last query position (start + ceil(rows_end / group)), largest first, ties
+// in list order. No sort when the list is already in that order (one request per tile of equal kv_len, say).
+static void order_longest_first(int32_t* packed, const int32_t* start, int64_t group, int64_t tile) {
+  const int64_t batch = packed[0], num_tiles = packed[2];
+  const int32_t* qo = packed + 3 + 2 * batch + 1;  // after the header, page_indptr and last_page_len
+  int32_t* requests = packed + 3 + 3 * batch + 2;
+  int32_t* qo_tiles = requests + num_tiles;
   static thread_local std::vector<int64_t> keys;
   static thread_local std::vector<int32_t> order, scratch;
   keys.resize(num_tiles);
   bool sorted = true;
   for (int64_t t = 0; t < num_tiles; ++t) {
-    const int64_t i = requests[t], rows = (qo[i + 1] - qo[i]) * group, end = (qo_tiles[t] + 1) * tile;
+    const int64_t i = requests[t], rows = int64_t{qo[i + 1] - qo[i]} * group, end = (qo_tiles[t] + int64_t{1}) * tile;
     keys[t] = start[i] + ((end < rows ? end : rows) + group - 1) / group;
     sorted = sorted && (t == 0 || keys[t] <= keys[t - 1]);
   }
   if (sorted) return;
   order.resize(num_tiles);
   for (int64_t t = 0; t < num_tiles; ++t) order[t] = static_cast<int32_t>(t);
-  std::stable_sort(order.begin(), order.end(), [](int32_t a, int32_t b) { return keys[a] > keys[b]; });
+  std::stable_sort(order.begin(), order.end(), [](int32_t x, int32_t y) { return keys[x] > keys[y]; });
   scratch.resize(num_tiles);
   for (int32_t* column : {requests, qo_tiles}) {
     for (int64_t t = 0; t < num_tiles; ++t) scratch[t] = column[order[t]];
@@ -104,11 +108,13 @@ extern "C" {
 // one request, the longest kv_len, the requests with new rows, and the tiles at each of kPolicyTiles (each
 // within int32 once validated); start_positions [batch] receives kv_len - seq_len per request.
 // A null kv_indices means the page ids were checked and copied on the device (kernels/plan_check.cu): only
-// num_indices is used, the block's page segment is left unwritten and max_page_index is -1.
+// num_indices is used, the block's page segment is left unwritten and max_page_index is -1. order_tiles 0 leaves
+// the tile list request by request (a pass whose tile the policy may still change; pw_plan_order_tiles orders it
+// later if the policy keeps it), else it is ordered longest first.
 int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int kv_is64, const void* kv_indices,
                  int indices_is64, int64_t num_indices, const void* last_page_len, int last_is64, int64_t batch,
                  int64_t page_size, int64_t group, int64_t tile, int32_t* packed, int64_t packed_capacity,
-                 int32_t* start_positions, int32_t* scalars) {
+                 int32_t* start_positions, int32_t* scalars, int order_tiles) {
   const Ints qo{qo_indptr, qo_is64}, kv{kv_indptr, kv_is64}, last{last_page_len, last_is64};
   if (batch < 1 || batch > kInt32Max || page_size < 1 || group < 1 || tile < 1) return PW_PACK_INVALID;
   // Indptrs: start at 0, never above int32, seq_len >= 0 and at least one page per request. Last page
@@ -177,7 +183,7 @@ int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int 
       packed[o_qo_tile + t] = static_cast<int32_t>(k);
     }
   }
-  order_longest_first(packed + o_request, packed + o_qo_tile, num_tiles, start_positions, qo, group, tile);
+  if (order_tiles) order_longest_first(packed, start_positions, group, tile);
   scalars[0] = static_cast<int32_t>(high);
   scalars[1] = static_cast<int32_t>(max_last);
   scalars[2] = static_cast<int32_t>(total_tokens);
@@ -189,6 +195,12 @@ int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int 
   static_assert(8 + 3 == PW_PACK_SCALARS, "the scalars' layout");
   for (int k = 0; k < 3; ++k) scalars[8 + k] = static_cast<int32_t>(policy_tiles[k]);
   return PW_PACK_OK;
+}
+
+// The tile list of a block pw_plan_pack packed with order_tiles 0 at `tile`, ordered longest first in place;
+// start_positions as that call wrote them.
+void pw_plan_order_tiles(int32_t* packed, const int32_t* start_positions, int64_t group, int64_t tile) {
+  order_longest_first(packed, start_positions, group, tile);
 }
 
 #ifndef PW_HOST_ONLY

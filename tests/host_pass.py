@@ -79,3 +79,6 @@ class Counting:
     def pw_plan_pack(self, *args):
         self.statuses.append(self.lib.pw_plan_pack(*args))
         return self.statuses[-1]
+
+    def pw_plan_order_tiles(self, *args):
+        return self.lib.pw_plan_order_tiles(*args)

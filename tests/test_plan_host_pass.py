@@ -212,8 +212,26 @@ def test_a_block_too_small_is_refused_not_overrun(lib):
         16,
         start.ctypes.data,
         scalars.ctypes.data,
+        1,
     )
     assert status == native.PACK_TOO_SMALL and (block == -7).all()
+
+
+def test_a_pass_left_unordered_is_ordered_later_exactly_as_an_ordered_pass(lib):
+    """``order_tiles`` 0 leaves the tile list request by request; ``pw_plan_order_tiles`` then writes the block an
+    ordered pass writes (the compiled pass at a tile the policy may still change)."""
+    qo, kv, ids, last = (np.array(a, dtype=np.int64) for a in ([0, 20, 22, 25], [0, 5, 6, 10], range(10), [4, 2, 1]))
+    blocks = []
+    for order in (0, 1):
+        block, start, scalars = np.full(64, -7, np.int32), np.zeros(3, np.int32), np.zeros(11, np.int32)
+        args = (qo.ctypes.data, 1, kv.ctypes.data, 1, ids.ctypes.data, 1, 10, last.ctypes.data, 1, 3, 4, 2, 16)
+        assert lib.pw_plan_pack(*args, block.ctypes.data, 64, start.ctypes.data, scalars.ctypes.data, order) == 0
+        blocks.append((block, start))
+    (unordered, start), (ordered, _) = blocks
+    requests = slice(3 + 3 * 3 + 2, 3 + 3 * 3 + 2 + 5)  # 5 tiles of 16 packed rows: 3, 1 and 1 per request
+    assert unordered[requests].tolist() == [0, 0, 0, 1, 2] and ordered[requests].tolist() == [0, 0, 2, 0, 1]
+    lib.pw_plan_order_tiles(unordered.ctypes.data, start.ctypes.data, 2, 16)
+    assert unordered.tolist() == ordered.tolist()
 
 
 def test_the_compiled_pass_runs_where_a_kernels_library_is_loaded(monkeypatch):

@@ -700,7 +700,7 @@ def _compiled_pass(
         base = _writable_address(checked.arrays)
         addresses = [base, base + 8 * (batch + 1), None, base + 16 * (batch + 1)]
 
-    def pack(tile: int) -> bool:
+    def pack(tile: int, order_tiles: bool) -> bool:
         status = lib.pw_plan_pack(
             addresses[0],
             flags[0],
@@ -719,11 +719,14 @@ def _compiled_pass(
             bound,
             address + 4 * _PACK_SCALARS,
             address,
+            int(order_tiles),
         )
         return status == 0
 
     reason = "explicit"
-    if not pack(tile or _SMALLEST_TILE):
+    # A pass whose tile the policy may still change leaves the tile list unordered: the order is set once, at the
+    # tile the plan keeps.
+    if not pack(tile or _SMALLEST_TILE, order_tiles=tile is not None):
         return None
     scalars = out[:_PACK_SCALARS].tolist()
     if tile is None:
@@ -737,9 +740,11 @@ def _compiled_pass(
             longest_kv_len=lambda: scalars[6],
         )
         if tile != _SMALLEST_TILE:
-            if not pack(tile):
+            if not pack(tile, order_tiles=True):
                 return None
             scalars = out[:_PACK_SCALARS].tolist()
+        else:
+            lib.pw_plan_order_tiles(address + 4 * (_PACK_SCALARS + batch), address + 4 * _PACK_SCALARS, group, tile)
     high, max_last, total_tokens, total_pages, num_tiles = scalars[:5]
     if checked is not None:
         high = checked.max_page_index

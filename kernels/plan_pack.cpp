@@ -73,14 +73,27 @@ enum PwPackStatus {
 
 constexpr int PW_PACK_SCALARS = 11;  // pagedwindow.plan._PACK_SCALARS
 
+// Where each segment of the block starts (the layout above), for `batch` requests and `num_tiles` tiles.
+struct BlockOffsets {
+  int64_t page_indptr, last, qo, request, qo_tile, pages;
+  BlockOffsets(int64_t batch, int64_t num_tiles)
+      : page_indptr(3),
+        last(page_indptr + batch + 1),
+        qo(last + batch),
+        request(qo + batch + 1),
+        qo_tile(request + num_tiles),
+        pages(qo_tile + num_tiles) {}
+};
+
 // The tile list of a packed block, built request by request, reordered longest first (plan.py's _tiles): by the
 // end of the tile's keys, one past its last query position (start + ceil(rows_end / group)), largest first, ties
 // in list order. No sort when the list is already in that order (one request per tile of equal kv_len, say).
 static void order_longest_first(int32_t* packed, const int32_t* start, int64_t group, int64_t tile) {
-  const int64_t batch = packed[0], num_tiles = packed[2];
-  const int32_t* qo = packed + 3 + 2 * batch + 1;  // after the header, page_indptr and last_page_len
-  int32_t* requests = packed + 3 + 3 * batch + 2;
-  int32_t* qo_tiles = requests + num_tiles;
+  const int64_t num_tiles = packed[2];
+  const BlockOffsets o(packed[0], num_tiles);
+  const int32_t* qo = packed + o.qo;
+  int32_t* requests = packed + o.request;
+  int32_t* qo_tiles = packed + o.qo_tile;
   static thread_local std::vector<int64_t> keys;
   static thread_local std::vector<int32_t> order, scratch;
   keys.resize(num_tiles);
@@ -139,12 +152,11 @@ int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int 
   }
   const int64_t total_tokens = qo[batch], total_pages = kv[batch];
   if (total_pages > num_indices || total_tokens * group > kInt32Max || num_tiles > kInt32Max) return PW_PACK_INVALID;
-  const int64_t o_page_indptr = 3, o_last = o_page_indptr + batch + 1, o_qo = o_last + batch,
-                o_request = o_qo + batch + 1, o_qo_tile = o_request + num_tiles, o_pages = o_qo_tile + num_tiles;
-  if (o_pages + total_pages > packed_capacity) return PW_PACK_TOO_SMALL;
+  const BlockOffsets o(batch, num_tiles);
+  if (o.pages + total_pages > packed_capacity) return PW_PACK_TOO_SMALL;
 
   // Page ids: within 0..int32, each used once (a table of the ids seen), copied into the block.
-  int32_t* pages = packed + o_pages;
+  int32_t* pages = packed + o.pages;
   int64_t high = -1;
   if (kv_indices != nullptr) {
     high = indices_is64 ? copy_page_ids(static_cast<const int64_t*>(kv_indices), total_pages, pages)
@@ -171,16 +183,16 @@ int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int 
   packed[2] = static_cast<int32_t>(num_tiles);
   int64_t t = 0;
   for (int64_t i = 0; i <= batch; ++i) {
-    packed[o_page_indptr + i] = static_cast<int32_t>(kv[i]);
-    packed[o_qo + i] = static_cast<int32_t>(qo[i]);
+    packed[o.page_indptr + i] = static_cast<int32_t>(kv[i]);
+    packed[o.qo + i] = static_cast<int32_t>(qo[i]);
     if (i == batch) break;
     const int64_t l = last[i], seq = qo[i + 1] - qo[i];
-    packed[o_last + i] = static_cast<int32_t>(l);
+    packed[o.last + i] = static_cast<int32_t>(l);
     start_positions[i] = static_cast<int32_t>((kv[i + 1] - kv[i] - 1) * page_size + l - seq);
     const int64_t n = (seq * group + tile - 1) / tile;
     for (int64_t k = 0; k < n; ++k, ++t) {
-      packed[o_request + t] = static_cast<int32_t>(i);
-      packed[o_qo_tile + t] = static_cast<int32_t>(k);
+      packed[o.request + t] = static_cast<int32_t>(i);
+      packed[o.qo_tile + t] = static_cast<int32_t>(k);
     }
   }
   if (order_tiles) order_longest_first(packed, start_positions, group, tile);

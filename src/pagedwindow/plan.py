@@ -372,10 +372,11 @@ def _tiles(
     """``request_indices`` and ``qo_tile_indices`` [num_tiles]: request i (``seq_i`` new rows from position
     ``start_i``) gets ceil(seq_i * group / tile) tiles, listed longest first (the module docstring's tile order)."""
     batch = len(seq)
-    if total_tokens == batch and group <= tile and seq.min() == 1:  # one row per request (decode): one tile each
-        return _longest_first(start + 1), _zeros(batch)
+    # One tile per request (decode's one row each, or short prompts): the tile's keys end at the request's kv_len.
+    if total_tokens == batch and group <= tile and seq.min() == 1:
+        return _longest_first(start + seq), _zeros(batch)
     per_request = -(-(seq * group) // tile)  # [batch]
-    if per_request.max() <= 1 and per_request.min() == 1:  # one tile per request (short prompts)
+    if per_request.max() <= 1 and per_request.min() == 1:
         return _longest_first(start + seq), _zeros(batch)
     num_tiles = checked_i32("num_tiles", int(per_request.sum()))
     request_indices = np.repeat(_arange(batch), per_request)  # [num_tiles] request by request
@@ -383,13 +384,13 @@ def _tiles(
     qo_tile_indices = np.arange(num_tiles) - np.repeat(first, per_request)  # [num_tiles]
     rows_end = np.minimum((qo_tile_indices + 1) * tile, np.repeat(seq * group, per_request))  # [num_tiles]
     keys_end = np.repeat(start, per_request) + (rows_end + group - 1) // group  # [num_tiles] one past the last key
-    order = np.argsort(-keys_end, kind="stable")  # [num_tiles]
+    order = _longest_first(keys_end)  # [num_tiles]
     return request_indices[order], qo_tile_indices[order].astype(np.int32)
 
 
 def _longest_first(keys_end: np.ndarray) -> np.ndarray:
-    """The requests of one tile each, ordered by ``keys_end [batch]`` largest first, ties in request order."""
-    return np.argsort(-keys_end, kind="stable").astype(np.int32)  # [batch]
+    """Indices ordering ``keys_end`` largest first, ties in their given order (int32, same length)."""
+    return np.argsort(-keys_end, kind="stable").astype(np.int32)
 
 
 @functools.lru_cache(maxsize=16)

@@ -11,7 +11,7 @@ per process), in a shuffled order; a process checks each workload's output again
 with ``bench.median_ms`` (host queued ahead): the attention workloads (``bench``'s names or sweep points', e.g.
 ``decode_b1_kv4096_w1023``) at the plan's default tile or the given one, or with ``--prep`` the prep workloads
 (``prepare_paged_qkv``, checked as ``bench --prep`` checks it). The table gives each variant's median over the
-rounds and its ratio to the first variant's (below 1: faster).
+rounds with the rounds' range, and its ratio to the first variant's (below 1: faster).
 """
 
 import argparse
@@ -169,19 +169,29 @@ def main() -> None:
                 f,
                 indent=1,
             )
-    first = next(iter(variants))
-    print(
-        "\n| workload | "
-        + " | ".join(f"{v} ms" for v in variants)
+    print("\n" + "\n".join(table(rounds, workloads)))
+
+
+def table(rounds: dict[str, list[dict]], workloads: list[str]) -> list[str]:
+    """Markdown rows: per workload each variant's median ms over its rounds with the rounds' range (a bimodal or
+    noisy workload shows there, not in the median alone), then each variant's median over the first variant's."""
+    labels = list(rounds)
+    first = labels[0]
+    lines = [
+        "| workload | "
+        + " | ".join(f"{v} ms (rounds)" for v in labels)
         + " | "
-        + " | ".join(f"{v} / {first}" for v in list(variants)[1:])
-        + " |"
-    )
-    print("|---|" + "---|" * (2 * len(variants) - 1))
+        + " | ".join(f"{v} / {first}" for v in labels[1:])
+        + " |",
+        "|---|" + "---|" * (2 * len(labels) - 1),
+    ]
     for name in workloads:
-        med = {v: statistics.median(r[name] for r in rounds[v]) for v in variants}
-        ratios = [f"{med[v] / med[first]:.3f}" for v in list(variants)[1:]]
-        print(f"| {name} | " + " | ".join(f"{med[v]:.4f}" for v in variants) + " | " + " | ".join(ratios) + " |")
+        times = {v: [r[name] for r in rounds[v]] for v in labels}
+        med = {v: statistics.median(t) for v, t in times.items()}
+        cells = [f"{med[v]:.4f} ({min(times[v]):.4f}–{max(times[v]):.4f})" for v in labels]
+        ratios = [f"{med[v] / med[first]:.3f}" for v in labels[1:]]
+        lines.append(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    return lines
 
 
 if __name__ == "__main__":

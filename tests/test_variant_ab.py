@@ -64,3 +64,15 @@ def test_attention_workloads_are_bench_workloads_or_sweep_points(monkeypatch):
     assert (point.seq_lens, point.start_positions, point.window_left) == ((1,), (4095,), 1023)
     with pytest.raises(ValueError, match="'decode_b1_kv5_w1023' is neither a bench workload nor a sweep point"):
         attention_workload("decode_b1_kv5_w1023")
+
+
+def test_the_table_gives_each_variants_median_its_rounds_range_and_its_ratio_to_the_first():
+    rounds = {
+        "main": [{"w": 0.50}, {"w": 0.47}, {"w": 0.49}],
+        "new": [{"w": 0.45}, {"w": 0.46}, {"w": 0.44}],
+    }
+    assert variant_ab.table(rounds, ["w"]) == [
+        "| workload | main ms (rounds) | new ms (rounds) | new / main |",
+        "|---|---|---|---|",
+        "| w | 0.4900 (0.4700–0.5000) | 0.4500 (0.4400–0.4600) | 0.918 |",
+    ]

@@ -547,3 +547,41 @@ def test_zero_token_plan_through_csr_and_preallocated(idle_case):
         pool = c.pool.clone()
         pw.append_paged_kv(torch.randn(1, HKV, D), torch.randn(1, HKV, D), c.pool, c.layout, c.layer, plan)
         assert torch.equal(c.pool, pool)
+
+
+_PREFILL_REFUSALS = {
+    "sm_scale": dict(sm_scale=0.0),
+    "window_left": dict(window_left=-2),
+    "q rows": dict(q=lambda c: c.q[:-1]),
+    "q dtype": dict(q=lambda c: c.q.double()),
+    "out overlaps q": dict(out=lambda c: c.q),
+    "lse dtype": dict(lse=lambda c: full((8, HQ), dtype=torch.float64)),
+    "backend": dict(backend="triton"),
+    "layer": dict(layer=5),
+    "plan": dict(plan=lambda c: "not a plan"),
+}
+
+
+@pytest.mark.parametrize("bad", _PREFILL_REFUSALS.values(), ids=_PREFILL_REFUSALS.keys())
+def test_the_prefill_checks_alone_refuse_what_the_call_refuses_and_write_nothing(case, bad):
+    out = full(case.q.shape)
+    args = dict(q=case.q, pool=case.pool, layout=case.layout, layer=case.layer, plan=case.plan)
+    args.update(sm_scale=0.5, window_left=3, out=out, backend="reference")
+    args.update({name: make(case) if callable(make) else make for name, make in bad.items()})
+    watched = [t for t in (out, args["out"], args.get("lse"), case.pool, case.q) if isinstance(t, torch.Tensor)]
+    messages = [
+        expect_refusal(lambda entry=entry: entry(**args), "", *watched)
+        for entry in (pw.batch_prefill_paged_window, pw.check_batch_prefill_paged_window)
+    ]
+    assert messages[0] == messages[1]
+
+
+def test_the_prefill_checks_alone_pass_a_good_call_and_write_nothing(case):
+    out, lse = full(case.q.shape), full((8, HQ))
+    watched = [case.pool, case.q, out, lse]
+    before = [t.clone() for t in watched]
+    checked = pw.check_batch_prefill_paged_window(
+        case.q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.5, window_left=3, out=out, lse=lse
+    )
+    assert checked is None
+    assert all(torch.equal(t, b) for t, b in zip(watched, before))

@@ -163,6 +163,35 @@ def test_a_prepared_layer_is_fed_once_and_a_refused_call_can_be_retried():
         state.prepare(0, q, k, k, **_prep_kwargs(d))
 
 
+_ATTENTION_REFUSALS = [
+    ("attend", dict(sm_scale=0.0, window_left=-1), r"sm_scale = 0.0 must be finite and > 0"),
+    ("attend", dict(sm_scale=1.0, window_left=-2), r"window_left = -2 is below its minimum -1"),
+    ("attend", dict(sm_scale=1.0, window_left=-1, q_dtype=torch.float64), r"q dtype torch.float64 must be"),
+    ("prepare_and_attend", dict(sm_scale=float("nan"), window_left=-1), r"sm_scale = nan must be finite and > 0"),
+    ("prepare_and_attend", dict(sm_scale=1.0, window_left=-2), r"window_left = -2 is below its minimum -1"),
+]
+
+
+@pytest.mark.parametrize(("method", "args", "message"), _ATTENTION_REFUSALS)
+def test_a_step_the_attention_refuses_leaves_the_pool_as_it_was_and_can_be_retried(method, args, message):
+    """The attention's checks run before the step's pool write (append or prep): a refusal writes nothing."""
+    d = 8
+    state = PagedKvState([(1, d)] * 2, page_size=4, backend="reference", poison=True)
+    state.reset(2)
+    state.begin_step([3, 2])
+    q, k, v = torch.randn(5, 2, d), torch.randn(5, 1, d), torch.randn(5, 1, d)
+    state.attend(1, q, k, v, sm_scale=1.0, window_left=-1)  # the pool exists (layer 1's rows; layer 0's are NaN)
+    before = state.pool(0).clone()
+    args = dict(args)
+    q_bad = q.to(args.pop("q_dtype", q.dtype))
+    extra = _prep_kwargs(d) if method == "prepare_and_attend" else {}
+    with pytest.raises(pw.PagedWindowError, match=message):
+        getattr(state, method)(0, q_bad, k, v, **extra, **args)
+    assert torch.equal(state.pool(0).view(torch.int32), before.view(torch.int32))  # bit for bit, NaNs included
+    out = getattr(state, method)(0, q, k, v, **extra, sm_scale=1.0, window_left=-1)  # the retry runs
+    assert out.shape == (5, 2, d) and torch.isfinite(out).all()
+
+
 def test_read_kv_refuses_what_the_state_does_not_hold():
     state = PagedKvState([(1, 8)], page_size=4, backend="reference")
     state.reset(2)

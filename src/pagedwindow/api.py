@@ -25,6 +25,7 @@ import operator
 import warnings
 from collections.abc import Iterable
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
@@ -245,6 +246,65 @@ def _addresses(spans: list[tuple[str, int, int]] | None) -> Iterable[int] | None
     return None if spans is None else map(_first_byte, spans)
 
 
+class _PrefillCall(NamedTuple):
+    """A checked ``batch_prefill_paged_window`` call: its arguments as the run needs them."""
+
+    sm_scale: float
+    window_left: int
+    geometry: PagedGeometry
+    q_shape: tuple[int, int, int]  # [total_tokens, num_qo_heads, head_dim]
+    backend: str
+    compiling: bool
+
+
+def _check_prefill(
+    q, pool, layout, layer, plan, *, sm_scale, window_left, out, lse, backend, what="batch_prefill_paged_window"
+) -> _PrefillCall:
+    """Every check of ``batch_prefill_paged_window``, in its order; nothing is launched or written."""
+    sm_scale = check_sm_scale(sm_scale)
+    window_left = check_window_left(window_left)
+    state, geometry = _plan_on_pool(what, plan, layout, pool, layer)
+    rows = state.total_tokens
+    q_shape = (rows, state.num_qo_heads, state.head_dim)
+    dtype, device = pool.dtype, pool.device
+    _check_rows(what, "q", q, q_shape, dtype, device)
+    compiling = torch.compiler.is_compiling()
+    if out is not None:
+        _check_rows(what, "out", out, q_shape, dtype, device)
+        _check_writable(what, "out", out, compiling)
+    if lse is not None:
+        _check_rows(what, "lse", lse, (rows, state.num_qo_heads), torch.float32, device)
+        _check_writable(what, "lse", lse, compiling)
+    written = (out is not None) + (lse is not None)  # the spans of out and lse come first (None ones are skipped)
+    spans, address_bits = _memory_spans(compiling, ("out", out), ("lse", lse), ("q", q), ("pool", pool))
+    _check_disjoint(what, spans, written)
+    chosen = _resolve_backend(what, backend, plan, device, dtype, _addresses(spans), address_bits)
+    return _PrefillCall(sm_scale, window_left, geometry, q_shape, chosen, compiling)
+
+
+def check_batch_prefill_paged_window(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    layout: PagedKvLayout,
+    layer: int,
+    plan: PrefillPagedPlan,
+    *,
+    sm_scale: float,
+    window_left: int,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> None:
+    """Raise what :func:`batch_prefill_paged_window` would raise for these arguments; launch and write nothing.
+
+    For a step that writes the pool before it attends (``append_paged_kv`` or ``prepare_paged_qkv``, then the
+    attention): check the attention first, so that a step refused anywhere leaves the pool as it was. Its
+    verdict does not depend on the pool's contents, only on its geometry."""
+    _check_prefill(
+        q, pool, layout, layer, plan, sm_scale=sm_scale, window_left=window_left, out=out, lse=lse, backend=backend
+    )
+
+
 def batch_prefill_paged_window(
     q: torch.Tensor,
     pool: torch.Tensor,
@@ -266,38 +326,38 @@ def batch_prefill_paged_window(
     ``[rows >= total_tokens, num_qo_heads]``, natural-log logsumexp of the scaled logits. A plan with no new rows
     returns at once (after the checks).
     """
-    what = "batch_prefill_paged_window"
-    sm_scale = check_sm_scale(sm_scale)
-    window_left = check_window_left(window_left)
-    state, geometry = _plan_on_pool(what, plan, layout, pool, layer)
-    rows = state.total_tokens
-    q_shape = (rows, state.num_qo_heads, state.head_dim)
-    dtype, device = pool.dtype, pool.device
-    _check_rows(what, "q", q, q_shape, dtype, device)
-    compiling = torch.compiler.is_compiling()
-    if out is not None:
-        _check_rows(what, "out", out, q_shape, dtype, device)
-        _check_writable(what, "out", out, compiling)
-    if lse is not None:
-        _check_rows(what, "lse", lse, (rows, state.num_qo_heads), torch.float32, device)
-        _check_writable(what, "lse", lse, compiling)
-    written = (out is not None) + (lse is not None)  # the spans of out and lse come first (None ones are skipped)
-    spans, address_bits = _memory_spans(compiling, ("out", out), ("lse", lse), ("q", q), ("pool", pool))
-    _check_disjoint(what, spans, written)
-    chosen = _resolve_backend(what, backend, plan, device, dtype, _addresses(spans), address_bits)
+    call = _check_prefill(
+        q, pool, layout, layer, plan, sm_scale=sm_scale, window_left=window_left, out=out, lse=lse, backend=backend
+    )
+    rows = call.q_shape[0]
     if out is None:
-        out = torch.empty(q_shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(call.q_shape, dtype=q.dtype, device=q.device)
     if rows == 0:
         return out[:0]
     for observe in prefill_observers:
-        observe(chosen, q, pool, geometry, plan)
-    if chosen == "cuda":
+        observe(call.backend, q, pool, call.geometry, plan)
+    if call.backend == "cuda":
         _cuda_backend().batch_prefill_paged_window(
-            q, pool, geometry, plan, sm_scale=sm_scale, window_left=window_left, out=out, lse=lse, compiling=compiling
+            q,
+            pool,
+            call.geometry,
+            plan,
+            sm_scale=call.sm_scale,
+            window_left=call.window_left,
+            out=out,
+            lse=lse,
+            compiling=call.compiling,
         )
     else:
         reference.batch_prefill_paged_window(
-            q.detach(), pool.detach(), geometry, plan, sm_scale=sm_scale, window_left=window_left, out=out, lse=lse
+            q.detach(),
+            pool.detach(),
+            call.geometry,
+            plan,
+            sm_scale=call.sm_scale,
+            window_left=call.window_left,
+            out=out,
+            lse=lse,
         )
     return out if out.shape[0] == rows else out[:rows]
 

@@ -13,7 +13,7 @@ request order), by one of:
 Both read through a ``PrefillPagedPlan`` whose ``start_i`` is what request i already holds. Positions therefore
 come from this state, never from whatever key tensor a caller happens to hold (HF's sliding layers hand over only
 the last W keys). A layer counts as fed once its call returned: a call that raised (nothing written: every op
-checks before it writes) may be retried.
+checks before it writes, and the attention's checks run before the step's pool write) may be retried.
 It knows nothing of any model: ``pagedwindow.hf`` drives it from HF's attention calls, ``pagedwindow.measure``
 from captured q/k/v.
 
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .api import append_paged_kv, batch_prefill_paged_window, prepare_paged_qkv
+from .api import append_paged_kv, batch_prefill_paged_window, check_batch_prefill_paged_window, prepare_paged_qkv
 from .errors import PagedWindowError
 from .layout import PagedKvLayout
 from .plan import PrefillPagedPlan
@@ -303,10 +303,10 @@ class PagedKvState:
             return q.new_empty(q.shape)
         group, plan, local = fed
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        attention = dict(sm_scale=sm_scale, window_left=window_left, backend=self.backend)
+        check_batch_prefill_paged_window(q, group.pool, group.layout, local, plan, **attention)  # before any write
         append_paged_kv(k, v, group.pool, group.layout, local, plan, backend=self.backend)
-        out = batch_prefill_paged_window(
-            q, group.pool, group.layout, local, plan, sm_scale=sm_scale, window_left=window_left, backend=self.backend
-        )
+        out = batch_prefill_paged_window(q, group.pool, group.layout, local, plan, **attention)
         self._fed(layer)
         return out
 
@@ -385,6 +385,19 @@ class PagedKvState:
         fed = self._feed("prepare_and_attend", layer, q_proj, k_proj, v_proj)
         if fed is None:
             return q_proj.new_empty(q_proj.shape)
+        group, plan, local = fed
+        # The attention's checks before the prep writes: q_proj stands for the prepared q (the prep refuses a
+        # q_proj of another shape, dtype or device than the q it returns, and the returned q is a fresh tensor).
+        check_batch_prefill_paged_window(
+            q_proj,
+            group.pool,
+            group.layout,
+            local,
+            plan,
+            sm_scale=sm_scale,
+            window_left=window_left,
+            backend=self.backend,
+        )
         q = self._prepare(
             fed,
             q_proj,
@@ -397,7 +410,6 @@ class PagedKvState:
             norm_style=norm_style,
             rope_position_factor=rope_position_factor,
         )  # [T, Hq, D]
-        group, plan, local = fed
         out = batch_prefill_paged_window(
             q, group.pool, group.layout, local, plan, sm_scale=sm_scale, window_left=window_left, backend=self.backend
         )

@@ -648,8 +648,18 @@ BAD_DICTS = [
         changed(["derived", "request_indices"], [0, 0]),
         "from_dict: the recorded 'derived' arrays disagree with the rebuilt plan",
     ),
-    (changed(["derived"], "junk"), "from_dict: the recorded 'derived' arrays disagree with the rebuilt plan"),
+    (changed(["derived"], "junk"), "from_dict: 'derived' must be a dict of named arrays, got str"),
+    (changed(["derived"], np.array([1, 2])), "from_dict: 'derived' must be a dict of named arrays, got ndarray"),
+    (
+        changed(["derived", "qo_indptr"], np.array(good_dict()["derived"]["qo_indptr"])),
+        "from_dict: 'derived' values must be integers or lists of integers, got ndarray",
+    ),
+    (changed(["derived", "max_page_index"], True), "'derived' values must be integers or lists of integers, got bool"),
     (changed(["derived", "max_page_index"], 9), "the recorded 'derived' arrays disagree"),
+    (
+        changed(["page_indices"], np.array(5)),
+        "page_indices must be a sequence of per-request page lists, got a 0-d array",
+    ),
 ]
 
 
@@ -879,3 +889,18 @@ def test_from_dict_prefixes_once():
     with pytest.raises(pw.PagedWindowError) as err:
         pw.PrefillPagedPlan.from_dict(changed(["capacity", "max_total_pages"], -1))
     assert str(err.value) == "from_dict: capacity.max_total_pages = -1 is below its minimum 1"
+
+
+def test_csr_tensors_past_int64_or_unreadable_are_refused_naming_them():
+    heads = dict(num_qo_heads=4, num_kv_heads=2, head_dim=8, page_size=4)
+    big = torch.tensor([2**64 - 1], dtype=torch.uint64)  # numpy reads it as uint64; it must not wrap to -1
+    with pytest.raises(pw.PagedWindowError, match=r"^last_page_len holds integers past int64"):
+        pw.PrefillPagedPlan.from_csr([0, 1], [0, 1], [0], big, **heads)
+    with pytest.raises(pw.PagedWindowError, match=r"^kv_indptr holds integers past int64"):
+        pw.PrefillPagedPlan.from_csr([0, 1], torch.tensor([0, 2**64 - 1], dtype=torch.uint64), [0], [1], **heads)
+    sparse = torch.tensor([0, 1]).to_sparse()
+    with pytest.raises(pw.PagedWindowError, match=r"^qo_indptr: cannot read a cpu tensor .* layout torch.sparse_coo"):
+        pw.PrefillPagedPlan.from_csr(sparse, [0, 1], [0], [1], **heads)
+    negative_view = torch._neg_view(torch.tensor([0, -1]))  # reads as [0, 1]
+    want = pw.PrefillPagedPlan.from_csr([0, 1], [0, 1], [0], [1], **heads)
+    assert pw.PrefillPagedPlan.from_csr(negative_view, [0, 1], [0], [1], **heads) == want

@@ -51,20 +51,19 @@ def int_array(what: str, values) -> np.ndarray:
             array = values.numpy()  # the common case: a CPU integer tensor that does not require grad
         except (TypeError, RuntimeError):
             array = None
-        if array is not None and array.ndim == 1 and array.dtype.kind in "iu":
-            return array
-        if values.dim() != 1:
-            raise PagedWindowError(f"{what} must be one-dimensional, got shape {tuple(values.shape)}")
-        if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
-            raise PagedWindowError(f"{what} must hold integers, got dtype {values.dtype}")
-        if values.device.type == "cpu" and not values.requires_grad:
-            return values.numpy()
-        try:
-            return values.detach().cpu().numpy()
-        except (RuntimeError, NotImplementedError, TypeError) as exc:
-            raise PagedWindowError(
-                f"{what}: cannot read a {values.device} tensor of dtype {values.dtype} ({type(exc).__name__})"
-            ) from None
+        if array is None or array.ndim != 1 or array.dtype.kind not in "iu":
+            if values.dim() != 1:
+                raise PagedWindowError(f"{what} must be one-dimensional, got shape {tuple(values.shape)}")
+            if values.dtype.is_floating_point or values.dtype.is_complex or values.dtype == torch.bool:
+                raise PagedWindowError(f"{what} must hold integers, got dtype {values.dtype}")
+            try:  # another device, a tensor that requires grad, a negative view; sparse and others are refused
+                array = values.detach().cpu().resolve_neg().numpy()
+            except (RuntimeError, NotImplementedError, TypeError) as exc:
+                raise PagedWindowError(
+                    f"{what}: cannot read a {values.device} tensor of dtype {values.dtype} and layout {values.layout} "
+                    f"({type(exc).__name__})"
+                ) from None
+        values = array  # checked as an array below (uint64 past int64 included)
     if isinstance(values, np.ndarray):
         if values.ndim != 1:
             raise PagedWindowError(f"{what} must be one-dimensional, got shape {values.shape}")

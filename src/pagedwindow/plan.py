@@ -807,16 +807,36 @@ _CsrArrays = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 """``(qo_indptr, kv_indptr, kv_indices, last_page_len)`` as host integer arrays."""
 
 
+def _derived_form(derived) -> dict:
+    """``from_dict``'s recorded 'derived' entry in :meth:`PrefillPagedPlan.to_dict`'s form (names to ints or lists
+    of ints), so that comparing it with the rebuilt plan's is plain equality; anything else raises."""
+
+    def plain(v):
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+        if isinstance(v, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+            return list(v)
+        shown = type(v).__name__
+        raise PagedWindowError(f"from_dict: 'derived' values must be integers or lists of integers, got {shown}")
+
+    if not isinstance(derived, Mapping) or not all(isinstance(k, str) for k in derived):
+        raise PagedWindowError(f"from_dict: 'derived' must be a dict of named arrays, got {type(derived).__name__}")
+    return {k: plain(v) for k, v in derived.items()}
+
+
 def _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, page_size: int) -> _CsrArrays:
     """Per-request lists (the ``batch`` form) to CSR arrays, with the coverage rule checked per request."""
     seq = checked_i32_array("seq_lens", int_array("seq_lens", seq_lens), minimum=0).astype(np.int64)
     batch = len(seq)
     if batch == 0:
         raise PagedWindowError("a plan needs at least one request; seq_lens is empty")
-    if isinstance(page_indices, (str, bytes)) or not isinstance(page_indices, (Sequence, np.ndarray)):
-        raise PagedWindowError(
-            f"page_indices must be a sequence of per-request page lists, got {type(page_indices).__name__}"
-        )
+    if (
+        isinstance(page_indices, (str, bytes))
+        or not isinstance(page_indices, (Sequence, np.ndarray))
+        or (isinstance(page_indices, np.ndarray) and page_indices.ndim == 0)
+    ):
+        shown = "a 0-d array" if isinstance(page_indices, np.ndarray) else type(page_indices).__name__
+        raise PagedWindowError(f"page_indices must be a sequence of per-request page lists, got {shown}")
     starts = int_array("start_positions", start_positions)
     lasts = int_array("last_page_lens", last_page_lens)
     for name, n in (
@@ -1659,7 +1679,7 @@ class PrefillPagedPlan:
         except (TypeError, ValueError, KeyError, OverflowError, AttributeError) as exc:
             raise PagedWindowError(f"from_dict: malformed plan dict ({type(exc).__name__}: {exc})") from None
         derived = data.get("derived")
-        if derived is not None and derived != plan.to_dict()["derived"]:
+        if derived is not None and _derived_form(derived) != plan.to_dict()["derived"]:
             raise PagedWindowError("from_dict: the recorded 'derived' arrays disagree with the rebuilt plan")
         return plan
 

@@ -881,7 +881,7 @@ def bad_weight(kind):
         "scalar": (torch.tensor(1.0), f"shape () must be [{D}] (head_dim)"),
         "fp64": (
             torch.ones(D, dtype=torch.float64),
-            "dtype torch.float64 must be the pool's torch.float32 or torch.float32",
+            "dtype torch.float64 must be the pool's torch.float32",
         ),
         "int": (torch.ones(D, dtype=torch.int64), "dtype torch.int64 must be"),
         "meta": (torch.ones(D, device="meta"), "is on meta but the pool is on cpu"),
@@ -899,6 +899,14 @@ def test_bad_norm_weights(case, name, kind):
     expect_refusal(
         prep_call(case, **{name: bad}, out_q=out_q), f"prepare_paged_qkv: {name} {fragment}", out_q, case.b.pool
     )
+
+
+def test_a_weight_dtype_refusal_on_an_fp32_pool_names_fp32_once(case):
+    out_q = out_for(case)
+    message = expect_refusal(
+        prep_call(case, q_norm_weight=torch.ones(D, dtype=torch.float64), out_q=out_q), "q_norm_weight", out_q
+    )
+    assert message.endswith("q_norm_weight dtype torch.float64 must be the pool's torch.float32"), message
 
 
 @pytest.mark.parametrize("name", ["q_norm_weight", "k_norm_weight"])

@@ -414,7 +414,8 @@ def _check_norm_weight(what: str, name: str, w, head_dim: int, dtype: torch.dtyp
     if tuple(w.shape) != (head_dim,):
         raise PagedWindowError(f"{what}: {name} shape {tuple(w.shape)} must be [{head_dim}] (head_dim)")
     if w.dtype not in (dtype, torch.float32):
-        raise PagedWindowError(f"{what}: {name} dtype {w.dtype} must be the pool's {dtype} or torch.float32")
+        allowed = f"the pool's {dtype}" + ("" if dtype == torch.float32 else " or torch.float32")
+        raise PagedWindowError(f"{what}: {name} dtype {w.dtype} must be {allowed}")
     if w.device != device:
         raise PagedWindowError(f"{what}: {name} is on {w.device} but the pool is on {device}")
     if not w.is_contiguous():

@@ -206,3 +206,64 @@ def test_read_kv_refuses_what_the_state_does_not_hold():
         state.read_kv(0, 2)
     with pytest.raises(pw.PagedWindowError, match=r"^read_kv: layer 1 out of range \[0, 1\)$"):
         state.read_kv(1, 0)
+
+
+def test_a_refused_first_feed_takes_its_pools_back_so_a_retry_may_bring_another_dtype():
+    d = 8
+    state = PagedKvState([(1, d)], page_size=4, backend="reference")
+    state.reset(1)
+    state.begin_step([3])
+    q, k = torch.randn(3, 2, d), torch.randn(3, 1, d)
+    with pytest.raises(pw.PagedWindowError, match=r"q dtype torch.float32 must be torch.float64"):
+        state.attend(0, q, k.double(), k.double(), sm_scale=1.0, window_left=-1)
+    assert state.dtype is None and state.pool(0) is None
+    out = state.attend(0, q, k, k, sm_scale=1.0, window_left=-1)  # the retry, in fp32
+    assert state.dtype == torch.float32 and torch.isfinite(out).all()
+
+
+def test_a_step_with_new_rows_must_feed_every_layer_or_be_abandoned():
+    d = 8
+    state = PagedKvState([(1, d)] * 2, page_size=4, backend="reference")
+    state.reset(2)
+    state.begin_step([3, 5])
+    q, k = torch.randn(8, 2, d), torch.randn(8, 1, d)
+    for layer in (0, 1):
+        state.attend(layer, q, k, k, sm_scale=1.0, window_left=-1)
+    pages_before = [list(p) for p in state.pages]
+    state.begin_step([1, 4])  # no layer fed in it: the next begin_step refuses
+    with pytest.raises(pw.PagedWindowError, match=r"^step 1: layers \[0, 1\] never attended"):
+        state.begin_step([1, 1])
+    state.abandon_step()  # the requests hold what they held, the step's new pages go back
+    assert state.kv_lens == [3, 5] and state.pages == pages_before and state.step is None
+    with pytest.raises(pw.PagedWindowError, match=r"no step begun"):
+        state.abandon_step()
+    state.begin_step([1, 1])
+    state.attend(0, q[:2], k[:2], k[:2], sm_scale=1.0, window_left=-1)
+    with pytest.raises(pw.PagedWindowError, match=r"^abandon_step: step 2 already fed layers \[0\]"):
+        state.abandon_step()
+
+
+def test_reset_drops_the_pools_so_reused_pages_read_nan_and_the_dtype_may_change():
+    d = 8
+    state = PagedKvState([(1, d)] * 2, page_size=4, backend="reference", poison=True, initial_pages=1)
+    state.reset(1)
+    state.begin_step([4])
+    for layer in (0, 1):
+        state.attend(
+            layer, torch.randn(4, 2, d), torch.randn(4, 1, d), torch.randn(4, 1, d), sm_scale=1.0, window_left=-1
+        )
+    state.reset(1)
+    assert state.pool(0) is None and state.dtype is None
+    state.begin_step([8])  # reuses the page written before the reset, and one more
+    q, k = torch.randn(8, 2, d, dtype=torch.float64), torch.randn(8, 1, d, dtype=torch.float64)
+    state.attend(0, q, k, k, sm_scale=1.0, window_left=-1)
+    held_k, _ = state.read_kv(0, 0)
+    assert held_k.dtype == torch.float64 and torch.equal(held_k, k)
+    unwritten_k, unwritten_v = state.read_kv(1, 0)  # layer 1's slots of this sequence: nobody wrote them
+    assert torch.isnan(unwritten_k).all() and torch.isnan(unwritten_v).all()
+
+
+@pytest.mark.parametrize("lens", [[0, 3], [-2], [2, 0]])
+def test_prompt_chunks_refuses_a_prompt_shorter_than_one_token(lens):
+    with pytest.raises(pw.PagedWindowError, match=r"must each be at least one token"):
+        prompt_chunks(lens)

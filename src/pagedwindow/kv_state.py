@@ -29,6 +29,7 @@ Chunk schedules, the one place they are checked: a request's prompt is fed in ch
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ def prompt_chunks(prompt_lens, chunks=None, *, what: str = "") -> tuple[tuple[in
     token, a prompt's chunks summing to its length. ``chunks=None`` feeds each prompt in one chunk. ``what``
     (e.g. ``"case short: "``) starts the error's message."""
     lens = [int(n) for n in prompt_lens]
+    if any(n < 1 for n in lens):
+        raise PagedWindowError(f"{what}prompt lengths {lens} must each be at least one token")
     if chunks is None:
         return tuple((n,) for n in lens)
     chunks = tuple(tuple(int(x) for x in c) for c in chunks)
@@ -139,6 +142,7 @@ class PagedKvState:
         self.kv_lens: list = []
         self.pages: list = []
         self.step: StepInfo | None = None
+        self._step_pages: list = []  # per request, the pages the current step added
         self._step_count = 0
         self._attended: set = set()
         self._plans: dict = {}
@@ -158,16 +162,20 @@ class PagedKvState:
         return self._group_of[layer].pool
 
     def reset(self, batch_size: int) -> None:
-        """Forget every request; start ``batch_size`` empty ones (pages go back to the free list)."""
+        """Forget every request; start ``batch_size`` empty ones. Pages go back to the free list and the pools go
+        too: the next feed allocates them afresh (poisoned, in its K/V's dtype), so a reused page never shows an
+        old request's K/V and a new sequence may change dtype or device."""
         if batch_size < 1:
             raise PagedWindowError(f"batch_size = {batch_size} must be >= 1")
         for pages in self.pages:
             self._free.extend(pages)
         self._rng.shuffle(self._free)
+        self._drop_pools()
         self.batch_size = int(batch_size)
         self.kv_lens = [0] * self.batch_size
         self.pages = [[] for _ in range(self.batch_size)]
         self.step = None
+        self._step_pages = []
         self._attended = set()
         self._plans = {}
 
@@ -193,6 +201,23 @@ class PagedKvState:
         if group.pool is not None:
             pool[: group.pool.shape[0]].copy_(group.pool)
         group.pool = pool
+
+    def _drop_pools(self) -> None:
+        self.dtype = self.device = None
+        for group in self._groups.values():
+            group.pool = None
+
+    @contextlib.contextmanager
+    def _pools_undone_on_refusal(self):
+        """Around a feed: a refused feed that allocated the pools (the state's first) takes them back, so the state
+        is as it was and a retry may bring K/V of another dtype or device."""
+        fresh = self.dtype is None
+        try:
+            yield
+        except PagedWindowError:
+            if fresh:
+                self._drop_pools()
+            raise
 
     def _materialize(self, dtype: torch.dtype, device: torch.device) -> None:
         if self.dtype is None:
@@ -220,6 +245,7 @@ class PagedKvState:
         for i, n in enumerate(need):
             for _ in range(n):
                 self.pages[i].append(self._free.pop())
+        self._step_pages = need
         self.kv_lens = [s + n for s, n in zip(start, seq)]
         self.step = StepInfo(index=self._step_count, start=start, seq=tuple(seq))
         self._step_count += 1
@@ -228,14 +254,28 @@ class PagedKvState:
         return self.step
 
     def _check_step_complete(self) -> None:
-        if (
-            self.step is not None
-            and self.step.total_tokens > 0
-            and self._attended
-            and len(self._attended) != self.num_layers
-        ):
+        if self.step is not None and self.step.total_tokens > 0 and len(self._attended) != self.num_layers:
             missing = sorted(set(range(self.num_layers)) - self._attended)
             raise PagedWindowError(f"step {self.step.index}: layers {missing} never attended")
+
+    @property
+    def fed_layers(self) -> frozenset:
+        """The layers fed in the current step."""
+        return frozenset(self._attended)
+
+    def abandon_step(self) -> None:
+        """Take back the current step before any layer was fed in it (e.g. a forward refused at its first layer):
+        the requests hold what they held before it and the pages it added go back to the free list. Refused once a
+        layer was fed (its rows are in the pool)."""
+        step = self._require_step()
+        if self._attended:
+            raise PagedWindowError(f"abandon_step: step {step.index} already fed layers {sorted(self._attended)}")
+        for i, n in enumerate(self._step_pages):
+            for _ in range(n):
+                self._free.append(self.pages[i].pop())
+        self.kv_lens = list(step.start)
+        self.step = None
+        self._plans = {}
 
     def plan_for(self, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> PrefillPagedPlan:
         """The step's plan for one head geometry (built once per step, shared by the layers using it)."""
@@ -298,17 +338,18 @@ class PagedKvState:
     ) -> torch.Tensor:
         """Append this step's new K/V of ``layer`` and attend: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` with the
         active requests' rows concatenated in request order (T = step total). Returns ``[T, Hq, D]``."""
-        fed = self._feed("attend", layer, q, k, v)
-        if fed is None:
-            return q.new_empty(q.shape)
-        group, plan, local = fed
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        attention = dict(sm_scale=sm_scale, window_left=window_left, backend=self.backend)
-        check_batch_prefill_paged_window(q, group.pool, group.layout, local, plan, **attention)  # before any write
-        append_paged_kv(k, v, group.pool, group.layout, local, plan, backend=self.backend)
-        out = batch_prefill_paged_window(q, group.pool, group.layout, local, plan, **attention)
-        self._fed(layer)
-        return out
+        with self._pools_undone_on_refusal():
+            fed = self._feed("attend", layer, q, k, v)
+            if fed is None:
+                return q.new_empty(q.shape)
+            group, plan, local = fed
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            attention = dict(sm_scale=sm_scale, window_left=window_left, backend=self.backend)
+            check_batch_prefill_paged_window(q, group.pool, group.layout, local, plan, **attention)  # before any write
+            append_paged_kv(k, v, group.pool, group.layout, local, plan, backend=self.backend)
+            out = batch_prefill_paged_window(q, group.pool, group.layout, local, plan, **attention)
+            self._fed(layer)
+            return out
 
     def prepare(
         self,
@@ -329,23 +370,24 @@ class PagedKvState:
         the normed, rotated q comes back (``[T, Hq, D]``). q_proj ``[T, Hq, D]``, k_proj/v_proj ``[T, Hkv, D]``:
         the projections before the norms, rows as in :meth:`attend`. Feeds the layer: an :meth:`attend` of it in
         the same step is a double feed."""
-        fed = self._feed("prepare", layer, q_proj, k_proj, v_proj)
-        if fed is None:
-            return q_proj.new_empty(q_proj.shape)
-        q = self._prepare(
-            fed,
-            q_proj,
-            k_proj,
-            v_proj,
-            q_norm_weight=q_norm_weight,
-            k_norm_weight=k_norm_weight,
-            eps=eps,
-            rope_theta=rope_theta,
-            norm_style=norm_style,
-            rope_position_factor=rope_position_factor,
-        )
-        self._fed(layer)
-        return q
+        with self._pools_undone_on_refusal():
+            fed = self._feed("prepare", layer, q_proj, k_proj, v_proj)
+            if fed is None:
+                return q_proj.new_empty(q_proj.shape)
+            q = self._prepare(
+                fed,
+                q_proj,
+                k_proj,
+                v_proj,
+                q_norm_weight=q_norm_weight,
+                k_norm_weight=k_norm_weight,
+                eps=eps,
+                rope_theta=rope_theta,
+                norm_style=norm_style,
+                rope_position_factor=rope_position_factor,
+            )
+            self._fed(layer)
+            return q
 
     def _prepare(self, fed, q_proj, k_proj, v_proj, **prep) -> torch.Tensor:
         group, plan, local = fed
@@ -382,39 +424,47 @@ class PagedKvState:
         """:meth:`prepare` then attention over the pool with the same plan — the prep has already written this
         step's K/V, so nothing is appended twice. Inputs as :meth:`prepare`; returns ``[T, Hq, D]`` like
         :meth:`attend`."""
-        fed = self._feed("prepare_and_attend", layer, q_proj, k_proj, v_proj)
-        if fed is None:
-            return q_proj.new_empty(q_proj.shape)
-        group, plan, local = fed
-        # The attention's checks before the prep writes: q_proj stands for the prepared q (the prep refuses a
-        # q_proj of another shape, dtype or device than the q it returns, and the returned q is a fresh tensor).
-        check_batch_prefill_paged_window(
-            q_proj,
-            group.pool,
-            group.layout,
-            local,
-            plan,
-            sm_scale=sm_scale,
-            window_left=window_left,
-            backend=self.backend,
-        )
-        q = self._prepare(
-            fed,
-            q_proj,
-            k_proj,
-            v_proj,
-            q_norm_weight=q_norm_weight,
-            k_norm_weight=k_norm_weight,
-            eps=eps,
-            rope_theta=rope_theta,
-            norm_style=norm_style,
-            rope_position_factor=rope_position_factor,
-        )  # [T, Hq, D]
-        out = batch_prefill_paged_window(
-            q, group.pool, group.layout, local, plan, sm_scale=sm_scale, window_left=window_left, backend=self.backend
-        )
-        self._fed(layer)
-        return out
+        with self._pools_undone_on_refusal():
+            fed = self._feed("prepare_and_attend", layer, q_proj, k_proj, v_proj)
+            if fed is None:
+                return q_proj.new_empty(q_proj.shape)
+            group, plan, local = fed
+            # The attention's checks before the prep writes: q_proj stands for the prepared q (the prep refuses a
+            # q_proj of another shape, dtype or device than the q it returns, and the returned q is a fresh tensor).
+            check_batch_prefill_paged_window(
+                q_proj,
+                group.pool,
+                group.layout,
+                local,
+                plan,
+                sm_scale=sm_scale,
+                window_left=window_left,
+                backend=self.backend,
+            )
+            q = self._prepare(
+                fed,
+                q_proj,
+                k_proj,
+                v_proj,
+                q_norm_weight=q_norm_weight,
+                k_norm_weight=k_norm_weight,
+                eps=eps,
+                rope_theta=rope_theta,
+                norm_style=norm_style,
+                rope_position_factor=rope_position_factor,
+            )  # [T, Hq, D]
+            out = batch_prefill_paged_window(
+                q,
+                group.pool,
+                group.layout,
+                local,
+                plan,
+                sm_scale=sm_scale,
+                window_left=window_left,
+                backend=self.backend,
+            )
+            self._fed(layer)
+            return out
 
     def read_kv(self, layer: int, request: int, lo: int = 0, hi: int | None = None) -> tuple:
         """Copies of the K and V ``layer`` holds for ``request`` at positions ``lo .. hi - 1`` (``hi`` None: all

@@ -157,6 +157,35 @@ def test_skipped_step_is_refused():
             model(input_ids=ids[:, :1], position_ids=torch.tensor([[12]]), use_cache=False)
 
 
+def test_a_refused_forward_leaves_the_requests_as_they_were_and_the_retry_runs():
+    from pagedwindow.hf.models import tiny_gemma4
+
+    # Its own model (it goes through bf16), its weights bf16 values from the start so that the round trip below
+    # changes nothing.
+    model = tiny_gemma4(0, hidden_size=64, head_dim=32, intermediate_size=64).to(torch.bfloat16).to(torch.float32)
+    ids = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(1))
+    step = dict(input_ids=ids[:, 10:11], position_ids=torch.tensor([[10], [10]]), use_cache=False)
+    with pagedwindow_attention(model, backend="reference", page_size=4) as session, torch.no_grad():
+        model(input_ids=ids[:, :10], use_cache=False)
+        # refused by the position check: a batch of 1 where the session holds 2; positions from 0 with a gap
+        for bad_ids, bad_positions in ((ids[:1, 10:11], [[10]]), (ids[:, :2], [[0, 2], [0, 1]])):
+            with pytest.raises(pw.PagedWindowError, match="position_ids"):
+                model(input_ids=bad_ids, position_ids=torch.tensor(bad_positions), use_cache=False)
+            assert session.state.batch_size == 2 and session.state.kv_lens == [10, 10]
+        # refused at its first layer (K/V in another dtype than the pool's): no layer wrote, the step is taken back
+        model.to(torch.bfloat16)
+        try:
+            with pytest.raises(pw.PagedWindowError, match="paged state holds torch.float32"):
+                model(**step)
+        finally:
+            model.to(torch.float32)
+        assert session.state.kv_lens == [10, 10]
+        retry = model(**step).logits
+    with torch.no_grad():
+        want = model(input_ids=ids[:, :11], use_cache=False).logits[:, -1:]
+    assert error_stats(retry, want).max_rel <= 1e-4
+
+
 def test_new_sequence_resets_the_state():
     model = tiny("gemma3")
     ids = _ids(12, seed=6)

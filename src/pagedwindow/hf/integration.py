@@ -207,26 +207,37 @@ class PagedWindowSession:
             if tuple(pos.shape) != (bsz, s):
                 raise PagedWindowError(f"{ATTN_IMPL}: position_ids {tuple(position_ids.shape)} for {bsz}x{s} queries")
             positions = [pos[b, rows[b]].tolist() for b in range(bsz)]
-        fresh = self.state.batch_size != bsz or self.state.step is None
+        state = self.state
+        self._abandon_unfed_step()  # the last forward failed before its first layer wrote anything
+        fresh = state.batch_size != bsz  # a new batch (or the session was reset: batch size 0)
         # a new sequence: every request has rows and all start at 0 (a request merely waiting for its first chunk
         # has no rows in this step and keeps the others' state)
         starts_at_zero = positions is not None and all(p and p[0] == 0 for p in positions)
-        if fresh or starts_at_zero:
-            if not fresh:
-                self.resets += 1
-            self.state.reset(bsz)
-        if positions is not None:
+        new_sequence = fresh or starts_at_zero
+        held = [0] * bsz if new_sequence else list(state.kv_lens)
+        if positions is not None:  # checked before the state changes: a refused forward leaves it as it was
             for b, p in enumerate(positions):
-                want = list(range(self.state.kv_lens[b], self.state.kv_lens[b] + len(p)))
+                want = list(range(held[b], held[b] + len(p)))
                 if p != want:
                     raise PagedWindowError(
-                        f"{ATTN_IMPL}: request {b} holds {self.state.kv_lens[b]} tokens, so its new rows sit at "
+                        f"{ATTN_IMPL}: request {b} holds {held[b]} tokens, so its new rows sit at "
                         f"positions {want[:3]}..., but HF passed position_ids {p[:3]}... (a skipped or repeated "
                         "step? with padding, pass position_ids as generate derives them: cumsum(mask) - 1)"
                     )
-        self.state.begin_step(seq)
+        if new_sequence:
+            if not fresh:
+                self.resets += 1
+            state.reset(bsz)
+        state.begin_step(seq)
         self._rows = rows
         self._step_pending = False
+
+    def _abandon_unfed_step(self) -> None:
+        """Take back a begun step no layer has written yet, so that a forward refused at its first layer leaves
+        the requests holding what they held (its retry starts the step again)."""
+        if self.state.step is not None and not self.state.fed_layers:
+            self.state.abandon_step()
+            self._step_pending = True
 
     def _enter_layer(self, layer: int, bsz: int, s: int, device, valid, position_ids) -> None:
         """Begin the step at the first layer of a forward; later layers must see the same batch."""
@@ -265,9 +276,13 @@ class PagedWindowSession:
         new_k = key[:, :, key.shape[2] - s :].transpose(1, 2)  # [B, S, Hkv, D]
         new_v = value[:, :, value.shape[2] - s :].transpose(1, 2)
         q, k, v = self._gather(query.transpose(1, 2)), self._gather(new_k), self._gather(new_v)  # [T, H, D]
-        out_rows = self.state.attend(
-            layer, q, k, v, sm_scale=sm_scale, window_left=window_left_from_sliding_window(sliding_window)
-        )
+        try:
+            out_rows = self.state.attend(
+                layer, q, k, v, sm_scale=sm_scale, window_left=window_left_from_sliding_window(sliding_window)
+            )
+        except PagedWindowError:
+            self._abandon_unfed_step()
+            raise
         return self._scatter(out_rows, bsz, s, query)
 
     def attend_fused(self, layer: int, q_proj, k_proj, v_proj, *, valid, position_ids) -> torch.Tensor:
@@ -277,15 +292,19 @@ class PagedWindowSession:
         prep = self.prep[layer]
         bsz, s = q_proj.shape[:2]
         self._enter_layer(layer, bsz, s, q_proj.device, valid, position_ids)
-        out_rows = self.state.prepare_and_attend(
-            layer,
-            self._gather(q_proj),
-            self._gather(k_proj),
-            self._gather(v_proj),
-            **prep.prep_kwargs(),
-            sm_scale=prep.sm_scale,
-            window_left=window_left_from_sliding_window(prep.sliding_window),
-        )
+        try:
+            out_rows = self.state.prepare_and_attend(
+                layer,
+                self._gather(q_proj),
+                self._gather(k_proj),
+                self._gather(v_proj),
+                **prep.prep_kwargs(),
+                sm_scale=prep.sm_scale,
+                window_left=window_left_from_sliding_window(prep.sliding_window),
+            )
+        except PagedWindowError:
+            self._abandon_unfed_step()
+            raise
         return self._scatter(out_rows, bsz, s, q_proj)
 
     def describe(self) -> dict:

@@ -99,6 +99,9 @@ def test_int_list_errors_name_the_parameter_and_the_item(given, match):
 
 def test_scalars_parse_papermill_strings():
     assert params.integer("page_size", "16", minimum=1) == 16
+    assert params.integer("seed", "017") == 17 and params.integer("seed", "-3") == -3  # decimal, not YAML 1.1 octal
+    with pytest.raises(PagedWindowError, match="parameter sm_scale must be a finite number"):
+        params.real("sm_scale", 10**400)  # an int past float's range
     assert params.real("err_slack", "1e-3") == 1e-3 and params.real("sm_scale", 1) == 1.0
     assert params.boolean("run_benchmark", "true") is True and params.boolean("quick", "False") is False
     with pytest.raises(PagedWindowError, match="parameter page_size must be an integer, got True"):
@@ -144,6 +147,11 @@ def test_prefix_len_at_or_past_the_prompt_fails_naming_both(prefix_len):
         ({"sliding_window": "0"}, "parameter sliding_window = 0 must be >= 1"),
         ({"prefix_len": -2}, "parameter prefix_len = -2 must be >= -1"),
         ({"device": "tpu"}, "parameter device = 'tpu'"),
+        ({"device": "meta"}, r"parameter device = 'meta' must be 'auto', 'cpu' or 'cuda' \(or 'cuda:N'\)"),
+        ({"device": "mps"}, "parameter device = 'mps' must be 'auto', 'cpu' or 'cuda'"),
+        ({"device": "cpu:1"}, "parameter device = 'cpu:1' must be 'auto', 'cpu' or 'cuda'"),
+        ({"sliding_window_pattern": 1}, "sliding_window_pattern = 1 leave no sliding-window layer"),
+        ({"num_layers": 1}, "num_layers = 1 and sliding_window_pattern = .* leave no sliding-window layer"),
     ],
 )
 def test_window_prefill_errors_name_the_parameter(override, match):
@@ -207,6 +215,23 @@ def test_benchmark_checks():
         params.check_benchmark(**dict(BENCH, max_err_limit="0"))
     with pytest.raises(PagedWindowError, match="parameter results_dir must be a string"):
         params.check_benchmark(**dict(BENCH, results_dir=3))
+
+
+def test_benchmark_results_the_user_names_must_exist_and_read(tmp_path):
+    """The default results folder may be missing (no results yet: the gate passes); a folder or file the user
+    names must exist, and the file must read as results."""
+    not_json = tmp_path / "notes.json"
+    not_json.write_text("not json")
+    for override, match in [
+        ({"results_file": "no_such_results.json"}, "results_file = 'no_such_results.json' does not exist"),
+        ({"results_file": str(tmp_path)}, "is not a file"),
+        ({"results_file": str(not_json)}, "is not a results file"),
+        ({"results_dir": str(tmp_path / "missing")}, "does not exist"),
+        ({"results_dir": str(not_json)}, "is not a folder"),
+    ]:
+        with pytest.raises(PagedWindowError, match=match):
+            params.check_benchmark(**dict(BENCH, **override))
+    assert params.check_benchmark(**dict(BENCH, results_dir=str(tmp_path)))["results_dir"] == str(tmp_path)
 
 
 @pytest.mark.parametrize(

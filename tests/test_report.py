@@ -50,6 +50,9 @@ def test_plan_runs_shares_keys_by_declaration_and_expands_variants():
         ({"01_a": {"variants": {"v": {"z": 1}}}}, "'z'"),  # ... inside a variant
         ({"01_a": {"variants": []}}, "variants"),
         ({"01_a": [1]}, "mapping"),
+        ({1: "a", "seed": 2}, r"the parameter set has key\(s\) \[1\] that are not names"),  # a stray "1:" line
+        ({"01_a": {1: 2, "x": 3}}, r"section '01_a' has key\(s\) \[1\] that are not names"),
+        ({"01_a": {"variants": {1: {}, "1": {}}}}, r"run name\(s\) \['01_a-1'\] repeat"),
     ],
 )
 def test_plan_runs_refuses_unknown_keys(data, match):
@@ -105,6 +108,10 @@ def test_usage_errors_exit_2(tmp_path, capsys):
     assert report.run_report(params=str(bad), out=tmp_path / "r") == report.EXIT_USAGE
     assert "window_lft" in capsys.readouterr().err
     assert not (tmp_path / "r").exists()
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "02_kernel_explorer").write_text("a file where the run's folder goes")
+    assert report.run_report(params="smoke", out=tmp_path / "r", notebooks=["02"]) == report.EXIT_USAGE
+    assert "holds file(s) ['02_kernel_explorer'] where the runs' folders go" in capsys.readouterr().err
 
 
 # -- end to end ------------------------------------------------------------------------------------------------------

@@ -154,6 +154,12 @@ def plan_runs(data: dict, declared: dict, selected: list[str]) -> list[RunSpec]:
     ``declared``: stem -> the parameter names the notebook declares. Raises :class:`ReportUsageError` for a key
     no notebook declares, a notebook key that its notebook does not declare, or a malformed section.
     """
+    for where, keys in [("the parameter set", data)] + [
+        (f"section {stem!r}", data[stem]) for stem in declared if isinstance(data.get(stem), dict)
+    ]:
+        not_text = [k for k in keys if not isinstance(k, str)]
+        if not_text:
+            raise ReportUsageError(f"{where} has key(s) {not_text} that are not names (keys must be strings)")
     notebook_keys = {k for k in data if k in declared}
     shared = {k: v for k, v in data.items() if k not in notebook_keys}
     everyone = set().union(*declared.values()) if declared else set()
@@ -186,6 +192,10 @@ def plan_runs(data: dict, declared: dict, selected: list[str]) -> list[RunSpec]:
             params = {k: v for k, v in shared.items() if k in declared[stem]}
             params.update(own)
             runs.append(RunSpec(stem if label is None else f"{stem}-{label}", stem, params))
+    names = [run.name for run in runs]
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ReportUsageError(f"run name(s) {repeated} repeat (variant labels that read the same): each needs its own")
     return runs
 
 
@@ -773,6 +783,11 @@ def run_report(
         if out is None:
             check_name("parameter file name (the default report directory; pass --out)", params_name)
         report_dir = check_out_dir(out if out is not None else Path("reports") / params_name)
+        in_the_way = [
+            spec.name for spec in runs if (report_dir / spec.name).exists() and not (report_dir / spec.name).is_dir()
+        ]
+        if in_the_way:
+            raise ReportUsageError(f"{report_dir} holds file(s) {in_the_way} where the runs' folders go")
     except ReportUsageError as exc:
         print(f"pagedwindow report: {exc}", file=sys.stderr)
         return EXIT_USAGE

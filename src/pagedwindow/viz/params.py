@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import re
+
+import torch
 
 from ..errors import PagedWindowError
 from ..measure.runtime import DTYPES, resolve_device
 from ..tiles import SUPPORTED_CTA_TILE_Q
+from .paths import resolve_path
 
 FAMILIES = ("gemma4", "gemma3")
 BACKENDS = ("reference", "cuda", "auto")
@@ -31,6 +35,8 @@ def _parsed(value):
     import yaml
 
     text = value.strip()
+    if re.fullmatch(r"[+-]?[0-9]+", text):
+        return int(text, 10)  # decimal, leading zeros too (YAML 1.1 would read "017" as octal 15)
     if "," in text and not text.startswith(("[", "{", '"', "'")):
         text = f"[{text}]"
     try:
@@ -64,7 +70,11 @@ def real(name: str, value, *, minimum: float | None = None, positive: bool = Fal
             parsed = float(parsed)
         except ValueError:
             pass
-    if isinstance(parsed, bool) or not isinstance(parsed, numbers.Real) or not math.isfinite(parsed):
+    try:
+        finite = isinstance(parsed, numbers.Real) and not isinstance(parsed, bool) and math.isfinite(parsed)
+    except OverflowError:  # an int past float's range
+        finite = False
+    if not finite:
         raise PagedWindowError(f"parameter {name} must be a finite number, got {_describe(value)}")
     parsed = float(parsed)
     if positive and not parsed > 0:
@@ -150,7 +160,15 @@ def _rotary_head_dim(value) -> int:
 
 
 def _device(value) -> str:
+    """``"auto"``, ``"cpu"`` or ``"cuda"`` (``"cuda:N"`` too), usable here."""
     device = text("device", value)
+    if device != "auto":
+        try:
+            parsed = torch.device(device)
+        except RuntimeError:
+            parsed = None
+        if parsed is None or not (parsed.type == "cuda" or (parsed.type == "cpu" and parsed.index is None)):
+            raise PagedWindowError(f"parameter device = {device!r} must be 'auto', 'cpu' or 'cuda' (or 'cuda:N')")
     try:
         resolve_device(device)
     except (RuntimeError, PagedWindowError) as exc:
@@ -177,6 +195,14 @@ def prefix_below_every_prompt(prefix: int, prompt_len: int, extra_prompt_lens: l
             f"prefilled as prefix_len tokens, then the rest; 0: one prefill step{note})"
         )
     return prefix
+
+
+def _layer_types(family: str, num_layers: int, sliding_window_pattern: int) -> list[str]:
+    """The layer types the family's tiny model gets (from its config: no weights are built)."""
+    from ..hf.models import gemma3_config, gemma4_config
+
+    config = {"gemma4": gemma4_config, "gemma3": gemma3_config}[family]
+    return list(config(num_layers=num_layers, sliding_window_pattern=sliding_window_pattern).layer_types)
 
 
 def check_window_prefill(
@@ -211,10 +237,18 @@ def check_window_prefill(
     prefix = prefix_below_every_prompt(
         prefix, prompt, extra, note=f"; -1: {PREFIX_FRACTION[0]}/{PREFIX_FRACTION[1]} of prompt_len"
     )
+    family = choice("family", family, FAMILIES)
+    layers = integer("num_layers", num_layers, minimum=1)
+    pattern = integer("sliding_window_pattern", sliding_window_pattern, minimum=1)
+    if "sliding_attention" not in _layer_types(family, layers, pattern):
+        raise PagedWindowError(
+            f"parameters num_layers = {layers} and sliding_window_pattern = {pattern} leave no sliding-window layer "
+            f"({family}'s last layer is full attention): notebook 01 compares sliding layers, so it could never pass"
+        )
     return {
-        "family": choice("family", family, FAMILIES),
-        "num_layers": integer("num_layers", num_layers, minimum=1),
-        "sliding_window_pattern": integer("sliding_window_pattern", sliding_window_pattern, minimum=1),
+        "family": family,
+        "num_layers": layers,
+        "sliding_window_pattern": pattern,
         "num_qo_heads": hq,
         "num_kv_heads": hkv,
         "head_dim": head,
@@ -361,14 +395,52 @@ def check_kernel_explorer(
     }
 
 
+DEFAULT_RESULTS_DIR = "benchmarks/results"  # notebook 04's default: may be missing (no results yet, the gate passes)
+
+
+def _results_dir(value) -> str:
+    """A folder that exists (looked for as notebook 04 looks), or the default folder, which may be missing."""
+    name = text("results_dir", value)
+    path = resolve_path(name)
+    if path is None and name != DEFAULT_RESULTS_DIR:
+        raise PagedWindowError(
+            f"parameter results_dir = {name!r} does not exist (looked in the working directory and the repository)"
+        )
+    if path is not None and not path.is_dir():
+        raise PagedWindowError(f"parameter results_dir = {name!r} is not a folder")
+    return name
+
+
+def _results_file(value) -> str:
+    """``""`` (the newest results file in results_dir), or a results file that exists and reads."""
+    from ..measure.bench_results import load_results
+
+    name = text("results_file", value)
+    if not name:
+        return name
+    path = resolve_path(name)
+    if path is None:
+        raise PagedWindowError(
+            f"parameter results_file = {name!r} does not exist (looked in the working directory and the repository)"
+        )
+    if not path.is_file():
+        raise PagedWindowError(f"parameter results_file = {name!r} is not a file")
+    try:
+        load_results(path)
+    except (OSError, ValueError) as exc:  # JSON errors are ValueErrors
+        raise PagedWindowError(f"parameter results_file = {name!r} is not a results file: {exc}") from None
+    return name
+
+
 def check_benchmark(*, results_dir, results_file, run_benchmark, quick, systems, max_err_limit) -> dict:
-    """Notebook 04's parameters, checked (``systems``: empty means every system the benchmark knows)."""
+    """Notebook 04's parameters, checked (``systems``: empty means every system the benchmark knows); a results
+    folder or file the user names must exist (and the file read as results)."""
     from ..measure.bench_results import SYSTEMS
 
     return {
         "systems": name_list("systems", systems, SYSTEMS),
-        "results_dir": text("results_dir", results_dir),
-        "results_file": text("results_file", results_file),
+        "results_dir": _results_dir(results_dir),
+        "results_file": _results_file(results_file),
         "run_benchmark": boolean("run_benchmark", run_benchmark),
         "quick": boolean("quick", quick),
         "max_err_limit": real("max_err_limit", max_err_limit, positive=True),

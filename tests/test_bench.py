@@ -449,3 +449,7 @@ def test_bench_refuses_without_a_gpu(capsys):
 def test_bench_refuses_unknown_names(capsys):
     assert bench.run_bench(out="unused", workloads=["prefill_1x8192", "nope"]) == 2
     assert "unknown workload or system ['nope']" in capsys.readouterr().out
+    assert bench.run_bench(out="unused", workloads=["prefill_1x8192", "prefill_1x8192"], systems=["sdpa"]) == 2
+    assert "['prefill_1x8192'] named more than once" in capsys.readouterr().out
+    assert bench.run_bench(out="unused", systems=["sdpa", "flex", "sdpa"]) == 2
+    assert "['sdpa'] named more than once" in capsys.readouterr().out

@@ -397,6 +397,8 @@ def test_bench_prep_arguments(tmp_path, capsys, no_gpu):
 def test_run_prep_bench_refusals(capsys, no_gpu):
     assert bp.run_prep_bench(out="unused", workloads=["prep_8192", "nope"]) == 2
     assert "unknown workload or system ['nope']" in capsys.readouterr().out
+    assert bp.run_prep_bench(out="unused", workloads=["prep_8192", "prep_8192"]) == 2
+    assert "['prep_8192'] named more than once" in capsys.readouterr().out
     assert bp.run_prep_bench(out="unused") == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
 

@@ -543,6 +543,11 @@ def _time_system(
     record.update(plan_times(system, w, input_sets[0], max(5, reps // 2)))
 
 
+def named_twice(*name_lists) -> list[str]:
+    """The names any of ``name_lists`` (None: empty) holds more than once, sorted."""
+    return sorted({n for names in name_lists for n in names or () if list(names).count(n) > 1})
+
+
 def run_bench(
     out="benchmarks/results",
     workloads=None,
@@ -567,6 +572,9 @@ def run_bench(
             f"pagedwindow bench: unknown workload or system {unknown}; workloads {list(WORKLOADS)}, "
             f"systems {list(MAKERS)}"
         )
+        return 2
+    if named_twice(workloads, systems):
+        print(f"pagedwindow bench: {named_twice(workloads, systems)} named more than once (each is timed once)")
         return 2
     if not torch.cuda.is_available():
         print("pagedwindow bench needs a CUDA GPU; none is available.")

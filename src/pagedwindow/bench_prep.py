@@ -54,6 +54,7 @@ from .bench import (
     host_ms,
     interleaved_e2e_ms,
     median_ms,
+    named_twice,
     plan_kwargs,
     plan_times,
 )
@@ -543,6 +544,9 @@ def run_prep_bench(out="benchmarks/results", workloads=None, systems=None, quick
             f"pagedwindow bench --prep: unknown workload or system {unknown}; workloads {list(PREP_WORKLOADS)}, "
             f"systems {list(PREP_MAKERS)}"
         )
+        return 2
+    if named_twice(workloads, systems):
+        print(f"pagedwindow bench --prep: {named_twice(workloads, systems)} named more than once (each is timed once)")
         return 2
     if not torch.cuda.is_available():
         print("pagedwindow bench needs a CUDA GPU; none is available.")

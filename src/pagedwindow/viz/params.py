@@ -176,14 +176,6 @@ def _device(value) -> str:
     return device
 
 
-def _backend_and_device(backend, device) -> dict:
-    """``backend`` and ``device`` checked, and together: the CUDA backend runs only on a CUDA device."""
-    backend, device = choice("backend", backend, BACKENDS), _device(device)
-    if backend == "cuda" and resolve_device(device).type != "cuda":
-        raise PagedWindowError(f"parameter backend = 'cuda' needs a CUDA device; device = {device!r} is not one")
-    return {"backend": backend, "device": device}
-
-
 def default_prefix_len(prompt_len: int) -> int:
     """The prefix notebook 01 prefills first when ``prefix_len`` is -1: 3/5 of ``prompt_len`` (0 below 2)."""
     num, den = PREFIX_FRACTION
@@ -267,7 +259,8 @@ def check_window_prefill(
         "extra_prompt_lens": extra,
         "prefix_len": prefix,
         "dtype": choice("dtype", dtype, PREFILL_DTYPES),
-        **_backend_and_device(backend, device),
+        "backend": choice("backend", backend, BACKENDS),
+        "device": _device(device),
         "seed": integer("seed", seed, minimum=0),
         "fused_prep": boolean("fused_prep", fused_prep),
     }
@@ -336,7 +329,8 @@ def check_greedy_decode(
         "max_new_tokens": steps,
         "min_clear_steps": need,
         "dtype": choice("dtype", dtype, PREFILL_DTYPES),
-        **_backend_and_device(backend, device),
+        "backend": choice("backend", backend, BACKENDS),
+        "device": _device(device),
         "seed": integer("seed", seed, minimum=0),
     }
 
@@ -392,7 +386,8 @@ def check_kernel_explorer(
         "cta_tile_q": tile,
         "sm_scale": real("sm_scale", sm_scale, positive=True),
         "dtype": choice("dtype", dtype, tuple(DTYPES)),
-        **_backend_and_device(backend, device),
+        "backend": choice("backend", backend, BACKENDS),
+        "device": _device(device),
         "err_factor": real("err_factor", err_factor, minimum=0.0),
         "err_slack": real("err_slack", err_slack, minimum=0.0),
         "max_requests_drawn": integer("max_requests_drawn", max_requests_drawn, minimum=1),

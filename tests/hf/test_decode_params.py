@@ -86,7 +86,7 @@ def test_extra_prompt_lens_accepts_papermill_strings(given, want):
         ({"family": "llama"}, r"^parameter family = 'llama' is not one of \['gemma4', 'gemma3'\]$"),
         ({"dtype": "float16"}, r"^parameter dtype = 'float16' is not one of "),
         ({"backend": "triton"}, r"^parameter backend = 'triton' is not one of "),
-        ({"device": "tpu"}, r"^parameter device = 'tpu': "),
+        ({"device": "tpu"}, r"^parameter device = 'tpu' must be 'auto', 'cpu' or 'cuda' \(or 'cuda:N'\)$"),
     ],
 )
 def test_bad_parameters_fail_in_one_line_naming_the_parameter(overrides, match):

@@ -326,38 +326,23 @@ def batch_prefill_paged_window(
     ``[rows >= total_tokens, num_qo_heads]``, natural-log logsumexp of the scaled logits. A plan with no new rows
     returns at once (after the checks).
     """
-    call = _check_prefill(
+    sm_scale, window_left, geometry, q_shape, chosen, compiling = _check_prefill(  # the scale rounded to fp32
         q, pool, layout, layer, plan, sm_scale=sm_scale, window_left=window_left, out=out, lse=lse, backend=backend
     )
-    rows = call.q_shape[0]
+    rows = q_shape[0]
     if out is None:
-        out = torch.empty(call.q_shape, dtype=q.dtype, device=q.device)
+        out = torch.empty(q_shape, dtype=q.dtype, device=q.device)
     if rows == 0:
         return out[:0]
     for observe in prefill_observers:
-        observe(call.backend, q, pool, call.geometry, plan)
-    if call.backend == "cuda":
+        observe(chosen, q, pool, geometry, plan)
+    if chosen == "cuda":
         _cuda_backend().batch_prefill_paged_window(
-            q,
-            pool,
-            call.geometry,
-            plan,
-            sm_scale=call.sm_scale,
-            window_left=call.window_left,
-            out=out,
-            lse=lse,
-            compiling=call.compiling,
+            q, pool, geometry, plan, sm_scale=sm_scale, window_left=window_left, out=out, lse=lse, compiling=compiling
         )
     else:
         reference.batch_prefill_paged_window(
-            q.detach(),
-            pool.detach(),
-            call.geometry,
-            plan,
-            sm_scale=call.sm_scale,
-            window_left=call.window_left,
-            out=out,
-            lse=lse,
+            q.detach(), pool.detach(), geometry, plan, sm_scale=sm_scale, window_left=window_left, out=out, lse=lse
         )
     return out if out.shape[0] == rows else out[:rows]
 

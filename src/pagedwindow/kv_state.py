@@ -29,7 +29,7 @@ Chunk schedules, the one place they are checked: a request's prompt is fed in ch
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
 import random
 from dataclasses import dataclass
@@ -103,6 +103,23 @@ class _Group:
 
     def local(self, layer: int) -> int:
         return self.layers.index(layer)
+
+
+def _pools_undone_on_refusal(feed):
+    """Decorates a feed (attend, prepare, prepare_and_attend): a refused feed that allocated the pools (the state's
+    first) takes them back, so the state is as it was and a retry may bring K/V of another dtype or device."""
+
+    @functools.wraps(feed)
+    def guarded(self, *args, **kwargs):
+        fresh = self.dtype is None
+        try:
+            return feed(self, *args, **kwargs)
+        except PagedWindowError:
+            if fresh:
+                self._drop_pools()
+            raise
+
+    return guarded
 
 
 class PagedKvState:
@@ -206,18 +223,6 @@ class PagedKvState:
         self.dtype = self.device = None
         for group in self._groups.values():
             group.pool = None
-
-    @contextlib.contextmanager
-    def _pools_undone_on_refusal(self):
-        """Around a feed: a refused feed that allocated the pools (the state's first) takes them back, so the state
-        is as it was and a retry may bring K/V of another dtype or device."""
-        fresh = self.dtype is None
-        try:
-            yield
-        except PagedWindowError:
-            if fresh:
-                self._drop_pools()
-            raise
 
     def _materialize(self, dtype: torch.dtype, device: torch.device) -> None:
         if self.dtype is None:
@@ -333,24 +338,25 @@ class PagedKvState:
         self._attended.add(layer)
         self.attend_calls += 1
 
+    @_pools_undone_on_refusal
     def attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sm_scale: float, window_left: int
     ) -> torch.Tensor:
         """Append this step's new K/V of ``layer`` and attend: q ``[T, Hq, D]``, k/v ``[T, Hkv, D]`` with the
         active requests' rows concatenated in request order (T = step total). Returns ``[T, Hq, D]``."""
-        with self._pools_undone_on_refusal():
-            fed = self._feed("attend", layer, q, k, v)
-            if fed is None:
-                return q.new_empty(q.shape)
-            group, plan, local = fed
-            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-            attention = dict(sm_scale=sm_scale, window_left=window_left, backend=self.backend)
-            check_batch_prefill_paged_window(q, group.pool, group.layout, local, plan, **attention)  # before any write
-            append_paged_kv(k, v, group.pool, group.layout, local, plan, backend=self.backend)
-            out = batch_prefill_paged_window(q, group.pool, group.layout, local, plan, **attention)
-            self._fed(layer)
-            return out
+        fed = self._feed("attend", layer, q, k, v)
+        if fed is None:
+            return q.new_empty(q.shape)
+        group, plan, local = fed
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        attention = dict(sm_scale=sm_scale, window_left=window_left, backend=self.backend)
+        check_batch_prefill_paged_window(q, group.pool, group.layout, local, plan, **attention)  # before any write
+        append_paged_kv(k, v, group.pool, group.layout, local, plan, backend=self.backend)
+        out = batch_prefill_paged_window(q, group.pool, group.layout, local, plan, **attention)
+        self._fed(layer)
+        return out
 
+    @_pools_undone_on_refusal
     def prepare(
         self,
         layer: int,
@@ -370,24 +376,23 @@ class PagedKvState:
         the normed, rotated q comes back (``[T, Hq, D]``). q_proj ``[T, Hq, D]``, k_proj/v_proj ``[T, Hkv, D]``:
         the projections before the norms, rows as in :meth:`attend`. Feeds the layer: an :meth:`attend` of it in
         the same step is a double feed."""
-        with self._pools_undone_on_refusal():
-            fed = self._feed("prepare", layer, q_proj, k_proj, v_proj)
-            if fed is None:
-                return q_proj.new_empty(q_proj.shape)
-            q = self._prepare(
-                fed,
-                q_proj,
-                k_proj,
-                v_proj,
-                q_norm_weight=q_norm_weight,
-                k_norm_weight=k_norm_weight,
-                eps=eps,
-                rope_theta=rope_theta,
-                norm_style=norm_style,
-                rope_position_factor=rope_position_factor,
-            )
-            self._fed(layer)
-            return q
+        fed = self._feed("prepare", layer, q_proj, k_proj, v_proj)
+        if fed is None:
+            return q_proj.new_empty(q_proj.shape)
+        q = self._prepare(
+            fed,
+            q_proj,
+            k_proj,
+            v_proj,
+            q_norm_weight=q_norm_weight,
+            k_norm_weight=k_norm_weight,
+            eps=eps,
+            rope_theta=rope_theta,
+            norm_style=norm_style,
+            rope_position_factor=rope_position_factor,
+        )
+        self._fed(layer)
+        return q
 
     def _prepare(self, fed, q_proj, k_proj, v_proj, **prep) -> torch.Tensor:
         group, plan, local = fed
@@ -405,6 +410,7 @@ class PagedKvState:
         self.prep_calls += 1
         return q
 
+    @_pools_undone_on_refusal
     def prepare_and_attend(
         self,
         layer: int,
@@ -424,47 +430,46 @@ class PagedKvState:
         """:meth:`prepare` then attention over the pool with the same plan — the prep has already written this
         step's K/V, so nothing is appended twice. Inputs as :meth:`prepare`; returns ``[T, Hq, D]`` like
         :meth:`attend`."""
-        with self._pools_undone_on_refusal():
-            fed = self._feed("prepare_and_attend", layer, q_proj, k_proj, v_proj)
-            if fed is None:
-                return q_proj.new_empty(q_proj.shape)
-            group, plan, local = fed
-            # The attention's checks before the prep writes: q_proj stands for the prepared q (the prep refuses a
-            # q_proj of another shape, dtype or device than the q it returns, and the returned q is a fresh tensor).
-            check_batch_prefill_paged_window(
-                q_proj,
-                group.pool,
-                group.layout,
-                local,
-                plan,
-                sm_scale=sm_scale,
-                window_left=window_left,
-                backend=self.backend,
-            )
-            q = self._prepare(
-                fed,
-                q_proj,
-                k_proj,
-                v_proj,
-                q_norm_weight=q_norm_weight,
-                k_norm_weight=k_norm_weight,
-                eps=eps,
-                rope_theta=rope_theta,
-                norm_style=norm_style,
-                rope_position_factor=rope_position_factor,
-            )  # [T, Hq, D]
-            out = batch_prefill_paged_window(
-                q,
-                group.pool,
-                group.layout,
-                local,
-                plan,
-                sm_scale=sm_scale,
-                window_left=window_left,
-                backend=self.backend,
-            )
-            self._fed(layer)
-            return out
+        fed = self._feed("prepare_and_attend", layer, q_proj, k_proj, v_proj)
+        if fed is None:
+            return q_proj.new_empty(q_proj.shape)
+        group, plan, local = fed
+        # The attention's checks before the prep writes: q_proj stands for the prepared q (the prep refuses a
+        # q_proj of another shape, dtype or device than the q it returns, and the returned q is a fresh tensor).
+        check_batch_prefill_paged_window(
+            q_proj,
+            group.pool,
+            group.layout,
+            local,
+            plan,
+            sm_scale=sm_scale,
+            window_left=window_left,
+            backend=self.backend,
+        )
+        q = self._prepare(
+            fed,
+            q_proj,
+            k_proj,
+            v_proj,
+            q_norm_weight=q_norm_weight,
+            k_norm_weight=k_norm_weight,
+            eps=eps,
+            rope_theta=rope_theta,
+            norm_style=norm_style,
+            rope_position_factor=rope_position_factor,
+        )  # [T, Hq, D]
+        out = batch_prefill_paged_window(
+            q,
+            group.pool,
+            group.layout,
+            local,
+            plan,
+            sm_scale=sm_scale,
+            window_left=window_left,
+            backend=self.backend,
+        )
+        self._fed(layer)
+        return out
 
     def read_kv(self, layer: int, request: int, lo: int = 0, hi: int | None = None) -> tuple:
         """Copies of the K and V ``layer`` holds for ``request`` at positions ``lo .. hi - 1`` (``hi`` None: all

@@ -434,18 +434,10 @@ class PagedKvState:
         if fed is None:
             return q_proj.new_empty(q_proj.shape)
         group, plan, local = fed
+        attention = dict(sm_scale=sm_scale, window_left=window_left, backend=self.backend)
         # The attention's checks before the prep writes: q_proj stands for the prepared q (the prep refuses a
         # q_proj of another shape, dtype or device than the q it returns, and the returned q is a fresh tensor).
-        check_batch_prefill_paged_window(
-            q_proj,
-            group.pool,
-            group.layout,
-            local,
-            plan,
-            sm_scale=sm_scale,
-            window_left=window_left,
-            backend=self.backend,
-        )
+        check_batch_prefill_paged_window(q_proj, group.pool, group.layout, local, plan, **attention)
         q = self._prepare(
             fed,
             q_proj,
@@ -458,16 +450,7 @@ class PagedKvState:
             norm_style=norm_style,
             rope_position_factor=rope_position_factor,
         )  # [T, Hq, D]
-        out = batch_prefill_paged_window(
-            q,
-            group.pool,
-            group.layout,
-            local,
-            plan,
-            sm_scale=sm_scale,
-            window_left=window_left,
-            backend=self.backend,
-        )
+        out = batch_prefill_paged_window(q, group.pool, group.layout, local, plan, **attention)
         self._fed(layer)
         return out
 

@@ -251,3 +251,42 @@ def test_the_visibility_rule_is_the_same_for_ints_and_tensors(window_left):
         for k in range(14):
             want = k <= q and (window_left < 0 or q - k <= window_left)
             assert key_visible(q, k, window_left) is want and bool(mask[i, k]) is want
+
+
+def test_the_reference_backend_runs_under_torch_compile():
+    """A step compiled with torch.compile on the CPU (append then attend; the prep) runs the reference eagerly
+    inside the graph and gives what the eager step gives, the pool included."""
+    gen = torch.Generator().manual_seed(3)
+    case = random_batch(
+        gen, seq_lens=[5, 3], start_positions=[2, 0], page_size=4, num_qo_heads=4, num_kv_heads=2, head_dim=8
+    )
+
+    def step(pool):
+        pw.append_paged_kv(case.k, case.v, pool, case.layout, case.layer, case.plan, backend="reference")
+        return pw.batch_prefill_paged_window(
+            case.q, pool, case.layout, case.layer, case.plan, sm_scale=0.5, window_left=3, backend="reference"
+        )
+
+    def prep(pool):
+        ones = torch.ones(8)
+        return pw.prepare_paged_qkv(
+            case.q,
+            case.k,
+            case.v,
+            pool,
+            case.layout,
+            case.layer,
+            case.plan,
+            q_norm_weight=ones,
+            k_norm_weight=ones,
+            eps=1e-6,
+            rope_theta=10000.0,
+            norm_style="gemma4",
+            backend="reference",
+        )
+
+    for fn in (step, prep):
+        eager_pool, compiled_pool = case.pool.clone(), case.pool.clone()
+        want = fn(eager_pool)
+        got = torch.compile(fn, backend="eager")(compiled_pool)
+        assert torch.equal(got, want) and torch.equal(compiled_pool, eager_pool)

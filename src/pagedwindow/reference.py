@@ -2,6 +2,8 @@
 
 Accepts bf16 / fp16 / fp32 / fp64 tensors. Math runs in fp32 (fp64 when the inputs are fp64, so the same code is
 a float64 oracle); the output is cast once to ``out``'s dtype. Callers pass inputs the API has already checked.
+Under ``torch.compile`` the three entry points run eagerly (a graph break): they read the plan's host arrays
+and loop over requests, which a graph cannot hold.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ def _request_pages(plan: PrefillPagedPlan, device) -> list[torch.Tensor]:
     return list(torch.split(ids, torch.diff(plan.page_indptr).tolist()))
 
 
+@torch.compiler.disable
 def batch_prefill_paged_window(
     q: torch.Tensor,
     pool: torch.Tensor,
@@ -82,6 +85,7 @@ def batch_prefill_paged_window(
                 lse[qo[r] + j0 : qo[r] + j1] = row_lse.permute(2, 0, 1).reshape(j1 - j0, hq).to(lse.dtype)
 
 
+@torch.compiler.disable
 def append_paged_kv(
     k: torch.Tensor, v: torch.Tensor, pool: torch.Tensor, geometry: PagedGeometry, plan: PrefillPagedPlan
 ) -> None:
@@ -123,6 +127,7 @@ def _rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+@torch.compiler.disable
 def prepare_paged_qkv(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -25,7 +25,6 @@ import operator
 import warnings
 from collections.abc import Iterable
 from types import ModuleType
-from typing import NamedTuple
 
 import torch
 
@@ -246,21 +245,10 @@ def _addresses(spans: list[tuple[str, int, int]] | None) -> Iterable[int] | None
     return None if spans is None else map(_first_byte, spans)
 
 
-class _PrefillCall(NamedTuple):
-    """A checked ``batch_prefill_paged_window`` call: its arguments as the run needs them."""
-
-    sm_scale: float
-    window_left: int
-    geometry: PagedGeometry
-    q_shape: tuple[int, int, int]  # [total_tokens, num_qo_heads, head_dim]
-    backend: str
-    compiling: bool
-
-
-def _check_prefill(
-    q, pool, layout, layer, plan, *, sm_scale, window_left, out, lse, backend, what="batch_prefill_paged_window"
-) -> _PrefillCall:
-    """Every check of ``batch_prefill_paged_window``, in its order; nothing is launched or written."""
+def _check_prefill(q, pool, layout, layer, plan, *, sm_scale, window_left, out, lse, backend) -> tuple:
+    """Every check of ``batch_prefill_paged_window``, in its order; nothing is launched or written. Returns what
+    its run needs: ``(sm_scale rounded to fp32, window_left, geometry, q_shape, backend chosen, compiling)``."""
+    what = "batch_prefill_paged_window"
     sm_scale = check_sm_scale(sm_scale)
     window_left = check_window_left(window_left)
     state, geometry = _plan_on_pool(what, plan, layout, pool, layer)
@@ -279,7 +267,7 @@ def _check_prefill(
     spans, address_bits = _memory_spans(compiling, ("out", out), ("lse", lse), ("q", q), ("pool", pool))
     _check_disjoint(what, spans, written)
     chosen = _resolve_backend(what, backend, plan, device, dtype, _addresses(spans), address_bits)
-    return _PrefillCall(sm_scale, window_left, geometry, q_shape, chosen, compiling)
+    return sm_scale, window_left, geometry, q_shape, chosen, compiling
 
 
 def check_batch_prefill_paged_window(
@@ -326,7 +314,7 @@ def batch_prefill_paged_window(
     ``[rows >= total_tokens, num_qo_heads]``, natural-log logsumexp of the scaled logits. A plan with no new rows
     returns at once (after the checks).
     """
-    sm_scale, window_left, geometry, q_shape, chosen, compiling = _check_prefill(  # the scale rounded to fp32
+    sm_scale, window_left, geometry, q_shape, chosen, compiling = _check_prefill(
         q, pool, layout, layer, plan, sm_scale=sm_scale, window_left=window_left, out=out, lse=lse, backend=backend
     )
     rows = q_shape[0]

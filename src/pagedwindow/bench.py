@@ -573,8 +573,9 @@ def run_bench(
             f"systems {list(MAKERS)}"
         )
         return 2
-    if named_twice(workloads, systems):
-        print(f"pagedwindow bench: {named_twice(workloads, systems)} named more than once (each is timed once)")
+    twice = named_twice(workloads, systems)
+    if twice:
+        print(f"pagedwindow bench: {twice} named more than once (each is timed once)")
         return 2
     if not torch.cuda.is_available():
         print("pagedwindow bench needs a CUDA GPU; none is available.")

@@ -545,8 +545,9 @@ def run_prep_bench(out="benchmarks/results", workloads=None, systems=None, quick
             f"systems {list(PREP_MAKERS)}"
         )
         return 2
-    if named_twice(workloads, systems):
-        print(f"pagedwindow bench --prep: {named_twice(workloads, systems)} named more than once (each is timed once)")
+    twice = named_twice(workloads, systems)
+    if twice:
+        print(f"pagedwindow bench --prep: {twice} named more than once (each is timed once)")
         return 2
     if not torch.cuda.is_available():
         print("pagedwindow bench needs a CUDA GPU; none is available.")

@@ -159,7 +159,6 @@ class PagedKvState:
         self.kv_lens: list = []
         self.pages: list = []
         self.step: StepInfo | None = None
-        self._step_pages: list = []  # per request, the pages the current step added
         self._step_count = 0
         self._attended: set = set()
         self._plans: dict = {}
@@ -192,7 +191,6 @@ class PagedKvState:
         self.kv_lens = [0] * self.batch_size
         self.pages = [[] for _ in range(self.batch_size)]
         self.step = None
-        self._step_pages = []
         self._attended = set()
         self._plans = {}
 
@@ -250,7 +248,6 @@ class PagedKvState:
         for i, n in enumerate(need):
             for _ in range(n):
                 self.pages[i].append(self._free.pop())
-        self._step_pages = need
         self.kv_lens = [s + n for s, n in zip(start, seq)]
         self.step = StepInfo(index=self._step_count, start=start, seq=tuple(seq))
         self._step_count += 1
@@ -275,9 +272,10 @@ class PagedKvState:
         step = self._require_step()
         if self._attended:
             raise PagedWindowError(f"abandon_step: step {step.index} already fed layers {sorted(self._attended)}")
-        for i, n in enumerate(self._step_pages):
-            for _ in range(n):
-                self._free.append(self.pages[i].pop())
+        for pages, start in zip(self.pages, step.start):
+            held = math.ceil(start / self.page_size)  # the pages before the step: they cover exactly its start
+            self._free.extend(pages[held:])
+            del pages[held:]
         self.kv_lens = list(step.start)
         self.step = None
         self._plans = {}

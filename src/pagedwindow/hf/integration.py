@@ -208,7 +208,6 @@ class PagedWindowSession:
                 raise PagedWindowError(f"{ATTN_IMPL}: position_ids {tuple(position_ids.shape)} for {bsz}x{s} queries")
             positions = [pos[b, rows[b]].tolist() for b in range(bsz)]
         state = self.state
-        self._abandon_unfed_step()  # the last forward failed before its first layer wrote anything
         fresh = state.batch_size != bsz  # a new batch (or the session was reset: batch size 0)
         # a new sequence: every request has rows and all start at 0 (a request merely waiting for its first chunk
         # has no rows in this step and keeps the others' state)
@@ -232,12 +231,18 @@ class PagedWindowSession:
         self._rows = rows
         self._step_pending = False
 
-    def _abandon_unfed_step(self) -> None:
-        """Take back a begun step no layer has written yet, so that a forward refused at its first layer leaves
-        the requests holding what they held (its retry starts the step again)."""
-        if self.state.step is not None and not self.state.fed_layers:
-            self.state.abandon_step()
-            self._step_pending = True
+    @contextlib.contextmanager
+    def _layer_call(self):
+        """Around one layer's call, from the step's start to the state's feed: if it raises before any layer of
+        the step was fed (a forward refused at its first layer), the step is taken back, so the requests hold
+        what they held and the retry starts the step again."""
+        try:
+            yield
+        except Exception:
+            if self.state.step is not None and not self.state.fed_layers:
+                self.state.abandon_step()
+                self._step_pending = True
+            raise
 
     def _enter_layer(self, layer: int, bsz: int, s: int, device, valid, position_ids) -> None:
         """Begin the step at the first layer of a forward; later layers must see the same batch."""
@@ -272,17 +277,14 @@ class PagedWindowSession:
         bsz, hq, s, d = query.shape
         if key.shape[2] < s or value.shape[2] < s:
             raise PagedWindowError(f"{ATTN_IMPL}: layer {layer} got {key.shape[2]} keys for {s} new rows")
-        self._enter_layer(layer, bsz, s, query.device, valid, position_ids)
-        new_k = key[:, :, key.shape[2] - s :].transpose(1, 2)  # [B, S, Hkv, D]
-        new_v = value[:, :, value.shape[2] - s :].transpose(1, 2)
-        q, k, v = self._gather(query.transpose(1, 2)), self._gather(new_k), self._gather(new_v)  # [T, H, D]
-        try:
+        with self._layer_call():
+            self._enter_layer(layer, bsz, s, query.device, valid, position_ids)
+            new_k = key[:, :, key.shape[2] - s :].transpose(1, 2)  # [B, S, Hkv, D]
+            new_v = value[:, :, value.shape[2] - s :].transpose(1, 2)
+            q, k, v = self._gather(query.transpose(1, 2)), self._gather(new_k), self._gather(new_v)  # [T, H, D]
             out_rows = self.state.attend(
                 layer, q, k, v, sm_scale=sm_scale, window_left=window_left_from_sliding_window(sliding_window)
             )
-        except PagedWindowError:
-            self._abandon_unfed_step()
-            raise
         return self._scatter(out_rows, bsz, s, query)
 
     def attend_fused(self, layer: int, q_proj, k_proj, v_proj, *, valid, position_ids) -> torch.Tensor:
@@ -291,8 +293,8 @@ class PagedWindowSession:
         :class:`~pagedwindow.hf._compat.LayerPrep` -> ``[B, S, Hq, D]``."""
         prep = self.prep[layer]
         bsz, s = q_proj.shape[:2]
-        self._enter_layer(layer, bsz, s, q_proj.device, valid, position_ids)
-        try:
+        with self._layer_call():
+            self._enter_layer(layer, bsz, s, q_proj.device, valid, position_ids)
             out_rows = self.state.prepare_and_attend(
                 layer,
                 self._gather(q_proj),
@@ -302,9 +304,6 @@ class PagedWindowSession:
                 sm_scale=prep.sm_scale,
                 window_left=window_left_from_sliding_window(prep.sliding_window),
             )
-        except PagedWindowError:
-            self._abandon_unfed_step()
-            raise
         return self._scatter(out_rows, bsz, s, q_proj)
 
     def describe(self) -> dict:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the kernels, run the GPU suite, memcheck, the error table, the benchmark;
 # a short table last. Usage (repository root, on the device): bash benchmarks/device_run.sh [pytest paths...]
-# Env: SKIP_SUITE / SKIP_MMA_SYNC_SUITE / SKIP_MEMCHECK / SKIP_BENCH / SKIP_HOST_COST=1 skip a step; BENCH_ARGS adds bench flags,
+# Env: SUITE_PARTS=4 runs the whole GPU suite as four processes at once (no pytest paths given);
+# SKIP_SUITE / SKIP_MMA_SYNC_SUITE / SKIP_MEMCHECK / SKIP_BENCH / SKIP_HOST_COST=1 skip a step; BENCH_ARGS adds bench flags,
 # HOST_COST_ARGS host_cost.py flags. FlashInfer comes from .whl/peer-site.tar.xz (benchmarks/pack_peer_site.sh: the
 # wheels installed and xz-packed, 19 MB, so the tree fits beside it in one call) or else from .whl/*.whl;
 # VARIANTS="label:VAR=value,VAR=value:tile ..." times pagedwindow alone for each kernel variant (environment, e.g.
@@ -56,8 +57,32 @@ if [ "${SKIP_SUITE:-0}" != 1 ]; then
   # The notebooks' tests need papermill and nbformat, which the device lacks; device_report.sh runs the notebooks.
   paths=("$@")
   [ ${#paths[@]} -gt 0 ] || paths=(tests --ignore=tests/test_notebooks.py --ignore=tests/test_notebook_params.py)
-  python3 -m pytest -q -m cuda -p no:cacheprovider --maxfail=5 "${paths[@]}" 2>&1 | tee -a "$LOG" | tail -25
-  suite="rc=${PIPESTATUS[0]}: $(grep -E '(passed|failed|error)' "$LOG" | tail -1)"
+  if [ "${SUITE_PARTS:-1}" = 4 ] && [ $# -eq 0 ]; then
+    # The whole suite as four processes at once (about a third of the serial wall time), each loading the kernels
+    # built above from its own copy of the cache, so that no two processes build into one directory.
+    part() {  # part <index> <pytest arguments...>
+      local i=$1; shift
+      cp -r "$PAGEDWINDOW_CACHE_DIR" "$PAGEDWINDOW_CACHE_DIR-part$i"
+      PAGEDWINDOW_CACHE_DIR="$PAGEDWINDOW_CACHE_DIR-part$i" python3 -m pytest -q -m cuda -p no:cacheprovider "$@" \
+        > "$OUT/suite-part$i.txt" 2>&1
+    }
+    fp64=test_prefill_kernel_against_float64
+    part 0 tests/test_cuda_kernels.py -k "not $fp64" & pids=($!)
+    part 1 tests/test_cuda_kernels.py -k "$fp64" & pids+=($!)
+    part 2 tests --ignore=tests/test_cuda_kernels.py --ignore=tests/test_notebooks.py \
+      --ignore=tests/test_notebook_params.py --ignore=tests/test_cuda_prepare.py --ignore=tests/test_plan_fast_path.py &
+    pids+=($!)
+    part 3 tests/test_cuda_prepare.py tests/test_plan_fast_path.py & pids+=($!)
+    suite=""
+    for i in 0 1 2 3; do
+      wait "${pids[$i]}"; rc=$?
+      tail -3 "$OUT/suite-part$i.txt" | tee -a "$LOG"
+      suite="$suite part$i rc=$rc: $(grep -E '(passed|failed|error)' "$OUT/suite-part$i.txt" | tail -1);"
+    done
+  else
+    python3 -m pytest -q -m cuda -p no:cacheprovider --maxfail=5 "${paths[@]}" 2>&1 | tee -a "$LOG" | tail -25
+    suite="rc=${PIPESTATUS[0]}: $(grep -E '(passed|failed|error)' "$LOG" | tail -1)"
+  fi
   if [ "${SKIP_MMA_SYNC_SUITE:-0}" != 1 ]; then
     step "GPU kernel suite again on the mma.sync kernel: PAGEDWINDOW_PREFILL_KERNEL=mma_sync"
     PAGEDWINDOW_PREFILL_KERNEL=mma_sync python3 -m pytest -q -m cuda -p no:cacheprovider --maxfail=5 \

@@ -159,6 +159,6 @@ echo "| build | $(grep -h 'built/loaded' "$LOG" | tail -1) | $((t1 - t0)) |"
 echo "| GPU suite (-m cuda, REQUIRE_GPU=1) | $suite | $((t2 - t1)) |"
 echo "| memcheck + error table | $memcheck | $((t3 - t2)) |"
 echo "| bench | $bench | $((t4 - t3)) |"
-[ "${PREP_BENCH:-0}" = 1 ] && echo "| prep bench | $prep | $((t4p - t4)) |"
+if [ "${PREP_BENCH:-0}" = 1 ]; then echo "| prep bench | $prep | $((t4p - t4)) |"; fi
 echo "| host cost, plan forms | $host; $forms | $((t5 - t4p)) |"
-[ "${DECODE_SWEEP:-0}" = 1 ] && echo "| decode sweep | $sweep | $((t6 - t5)) |"
+if [ "${DECODE_SWEEP:-0}" = 1 ]; then echo "| decode sweep | $sweep | $((t6 - t5)) |"; fi

@@ -62,6 +62,7 @@ if [ "${SKIP_SUITE:-0}" != 1 ]; then
     # built above from its own copy of the cache, so that no two processes build into one directory.
     part() {  # part <index> <pytest arguments...>
       local i=$1; shift
+      rm -rf "$PAGEDWINDOW_CACHE_DIR-part$i"  # a copy left by an earlier run would nest this one inside it
       cp -r "$PAGEDWINDOW_CACHE_DIR" "$PAGEDWINDOW_CACHE_DIR-part$i"
       PAGEDWINDOW_CACHE_DIR="$PAGEDWINDOW_CACHE_DIR-part$i" python3 -m pytest -q -m cuda -p no:cacheprovider "$@" \
         > "$OUT/suite-part$i.txt" 2>&1

@@ -14,7 +14,8 @@
 //     (cta_tile_q 16 runs the split-KV decode kernel, decode_hd256.cu). 128-row tiles use setmaxnreg: 168
 //     registers per thread at launch, producer 40, consumers 232. Shapes, register budgets, named barriers,
 //     the shared-memory map and the 128-byte swizzle: sm90_config.cuh.
-//   * Producer (sm90_load_pipeline.cuh): Q once with cp.async, then K(j), V(j) of every 64-key tile j into
+//   * Producer (sm90_load_pipeline.cuh): Q once (whole warpgroups' rows by bulk tensor copies through a map of
+//     q, other rows by cp.async), then K(j), V(j) of every 64-key tile j into
 //     stage j % 2 behind "empty" / "full" mbarriers, by bulk tensor copies (page_size 8, 16, 32 or a multiple
 //     of 64) or by cp.async (any page_size), chosen by the host per call.
 //   * Consumers (sm90_consumer.cuh): S = Q K^T (wgmma m64n64k16, both operands in shared memory), the mask and
@@ -72,13 +73,14 @@ __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>
 #endif  // PW_SM90_DEVICE_CODE
 
 // kTma: K/V tiles by bulk tensor copy through map_k / map_v (page_size 8, 16, 32 or a multiple of 64), else by
-// cp.async (the maps are then unused). o_bulk: a consumer warpgroup whose 64 rows are all the tile's writes them
-// through map_o (the epilogue), else (map_o unused) row by row.
+// cp.async (the maps are then unused). q_bulk / o_bulk: a consumer warpgroup whose 64 rows are all the tile's
+// reads its Q rows through map_q (the producer) / writes its output rows through map_o (the epilogue), else (the
+// map unused) row by row.
 template <int kCtaQ, int kWG, bool kTma>
 __global__ void __launch_bounds__(Cfg<kCtaQ, kWG>::kThreads, Cfg<kCtaQ, kWG>::kMinBlocks)
     pw_prefill_hd256_sm90_kernel(const __grid_constant__ Params p, const __grid_constant__ CUtensorMap map_k,
-                                 const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_o,
-                                 int o_bulk) {
+                                 const __grid_constant__ CUtensorMap map_v, const __grid_constant__ CUtensorMap map_q,
+                                 const __grid_constant__ CUtensorMap map_o, int q_bulk, int o_bulk) {
 #ifdef PW_SM90_DEVICE_CODE
   using C = Cfg<kCtaQ, kWG>;
   // Static shared memory exists only in the sm_90a build: the host launcher checks for it (an empty kernel
@@ -101,9 +103,9 @@ __global__ void __launch_bounds__(Cfg<kCtaQ, kWG>::kThreads, Cfg<kCtaQ, kWG>::kM
   if (threadIdx.x < kProducerThreads) {  // warpgroup 0: the producer
     if constexpr (C::kSetMaxNReg) setmaxnreg_dec<C::kProducerRegs>();
     if constexpr (kTma) {
-      producer_tma<kCtaQ, kWG>(p, sm, &map_k, &map_v);
+      producer_tma<kCtaQ, kWG>(p, sm, &map_k, &map_v, &map_q, q_bulk != 0);
     } else {
-      producer_cp_async<kCtaQ, kWG>(p, sm);
+      producer_cp_async<kCtaQ, kWG>(p, sm, &map_q, q_bulk != 0);
     }
   } else {  // warpgroups 1 .. kWG: the consumers (mainloop, then epilogue)
     if constexpr (C::kSetMaxNReg) setmaxnreg_inc<C::kConsumerRegs>();
@@ -211,14 +213,14 @@ static bool encode_kv_maps(const void* pool, long long k_offset, long long v_off
 }
 
 template <int kCtaQ, int kWG, bool kTma>
-static int start(const Params& p, const CUtensorMap (&maps)[2], const CUtensorMap& map_o, bool o_bulk, int grid_tiles,
-                 int device, cudaStream_t stream) {
+static int start(const Params& p, const CUtensorMap (&maps)[2], const CUtensorMap& map_q, bool q_bulk,
+                 const CUtensorMap& map_o, bool o_bulk, int grid_tiles, int device, cudaStream_t stream) {
   using C = Cfg<kCtaQ, kWG>;
   const int rc = ensure_smem<kCtaQ, kWG, kTma>(device);
   if (rc != 0) return rc;
   const dim3 grid(static_cast<unsigned>(grid_tiles), static_cast<unsigned>(p.num_kv_heads), 1);
   pw_prefill_hd256_sm90_kernel<kCtaQ, kWG, kTma>
-      <<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, maps[0], maps[1], map_o, o_bulk ? 1 : 0);
+      <<<grid, C::kThreads, C::kSmemBytes, stream>>>(p, maps[0], maps[1], map_q, map_o, q_bulk ? 1 : 0, o_bulk ? 1 : 0);
   return static_cast<int>(cudaGetLastError());
 }
 
@@ -267,13 +269,14 @@ struct KvMapKey {
   }
 };
 
-// A tensor map for bulk copies of a consumer warpgroup's 64 output rows: `out` seen as the 3-D tensor {head dim
-// 256, q head, token} (innermost first), strides 512 B and num_qo_heads * 512 B; box {64, group, 64 / group},
-// 128-byte swizzle (the staging layout). The token extent is the int32 limit: a box is written only when all of its
-// rows are the tile's. Returns false (rows are written one by one) when group does not divide 64, `out` is not
-// 16-byte aligned, or the driver cannot encode the map.
-static bool encode_o_map(void* out, int num_qo_heads, int group, CUtensorMap* map) {
-  if (group < 1 || kWarpgroupRows % group != 0 || reinterpret_cast<uintptr_t>(out) % 16 != 0) return false;
+// A tensor map for bulk copies of a consumer warpgroup's 64 rows of q or out: `rows` seen as the 3-D tensor {head
+// dim 256, q head, token} (innermost first), strides 512 B and num_qo_heads * 512 B; box {64, group, 64 / group},
+// 128-byte swizzle (the layout of Q and of the staged output in shared memory). The token extent is the int32
+// limit: a box is read or written only when all of its rows are the tile's. Returns false (rows are copied one by
+// one) when group does not divide 64, `rows` is not 16-byte aligned, or the driver cannot encode the map.
+static bool encode_rows_map(const void* rows, int num_qo_heads, int group, CUtensorMapL2promotion promotion,
+                            CUtensorMap* map) {
+  if (group < 1 || kWarpgroupRows % group != 0 || reinterpret_cast<uintptr_t>(rows) % 16 != 0) return false;
   const PFN_cuTensorMapEncodeTiled_v12000 encode = encode_tiled();
   if (encode == nullptr) return false;
   const cuuint64_t elem = sizeof(__nv_bfloat16);
@@ -283,38 +286,45 @@ static bool encode_o_map(void* out, int num_qo_heads, int group, CUtensorMap* ma
   const cuuint32_t box[3] = {static_cast<cuuint32_t>(kBlockCols), static_cast<cuuint32_t>(group),
                              static_cast<cuuint32_t>(kWarpgroupRows / group)};
   const cuuint32_t unit[3] = {1, 1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, out, dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(rows), dims, strides, box, unit,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, promotion,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// What out's map depends on (encode_o_map's arguments).
-struct OMapKey {
-  void* out;
+// What the map of q (kOut false: read, with 256-byte L2 promotion like the K/V maps) or of out (kOut true: written)
+// depends on (encode_rows_map's arguments). The two are separate key types, so each has its own cache.
+template <bool kOut>
+struct RowsMapKey {
+  const void* rows;
   int num_qo_heads, group;
-  bool operator==(const OMapKey& o) const { return out == o.out && num_qo_heads == o.num_qo_heads && group == o.group; }
-  static bool encode(const OMapKey& k, CUtensorMap (&map)[1]) {
-    return encode_o_map(k.out, k.num_qo_heads, k.group, &map[0]);
+  bool operator==(const RowsMapKey& o) const {
+    return rows == o.rows && num_qo_heads == o.num_qo_heads && group == o.group;
+  }
+  static bool encode(const RowsMapKey& k, CUtensorMap (&map)[1]) {
+    return encode_rows_map(k.rows, k.num_qo_heads, k.group,
+                           kOut ? CU_TENSOR_MAP_L2_PROMOTION_NONE : CU_TENSOR_MAP_L2_PROMOTION_L2_256B, &map[0]);
   }
 };
 
 // The device/binary check (both instantiations of a tile come from one build), the empty-grid return, then the
 // K/V copy path: bulk copies when the maps encode, else cp.async (the maps are then passed unused); and the
-// output path: bulk copies of whole warpgroups' rows when out's map encodes.
+// Q and output paths: bulk copies of whole warpgroups' rows when q's / out's map encodes.
 template <int kCtaQ, int kWG>
 static int launch(const Params& p, int grid_tiles, int device, cudaStream_t stream) {
   const int rc = check_arch<kCtaQ, kWG>(device);
   if (rc != 0) return rc;
   if (grid_tiles == 0) return PW_PREFILL_OK;  // nothing to launch
-  CUtensorMap map_o[1];
-  const bool o_bulk = cached_maps(OMapKey{p.out, p.num_qo_heads, p.group}, map_o);
+  CUtensorMap map_q[1], map_o[1];
+  const bool q_bulk = cached_maps(RowsMapKey<false>{p.q, p.num_qo_heads, p.group}, map_q);
+  if (!q_bulk) memset(map_q, 0, sizeof(map_q));
+  const bool o_bulk = cached_maps(RowsMapKey<true>{p.out, p.num_qo_heads, p.group}, map_o);
   if (!o_bulk) memset(map_o, 0, sizeof(map_o));
   CUtensorMap maps[2];
   if (cached_maps(KvMapKey{p.pool, p.k_offset, p.v_offset, p.page_stride, p.page_size, p.num_kv_heads}, maps)) {
-    return start<kCtaQ, kWG, true>(p, maps, map_o[0], o_bulk, grid_tiles, device, stream);
+    return start<kCtaQ, kWG, true>(p, maps, map_q[0], q_bulk, map_o[0], o_bulk, grid_tiles, device, stream);
   }
   memset(maps, 0, sizeof(maps));
-  return start<kCtaQ, kWG, false>(p, maps, map_o[0], o_bulk, grid_tiles, device, stream);
+  return start<kCtaQ, kWG, false>(p, maps, map_q[0], q_bulk, map_o[0], o_bulk, grid_tiles, device, stream);
 }
 
 }  // namespace pw_prefill_sm90

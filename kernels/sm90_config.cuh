@@ -20,6 +20,13 @@ namespace pw_prefill_sm90 {
 
 using Params = PwPrefillParams;
 
+// ----------------------------------------------------------------------------------------- build switches
+// Q by bulk tensor copy (1, the default): a consumer warpgroup's 64 Q rows, when all of them are the tile's and the
+// host gave a map of q, come in by four bulk tensor copies; 0: every Q row by cp.async.
+#ifndef PW_SM90_Q_BULK
+#define PW_SM90_Q_BULK 1
+#endif
+
 // ------------------------------------------------------------------------------------------- shapes and bytes
 constexpr int kHeadDim = kPwPrefillHeadDim;                   // 256
 constexpr int kRowBytes = kHeadDim * 2;                       // one bf16 row of Q, K or V: 512 B
@@ -112,6 +119,14 @@ struct Smem {
   // (sm90_consumer.cuh). Count 1: every arrival completes a phase, which nothing observes.
   __device__ __forceinline__ uint32_t overlap_anchor() const { return bar + kMbarBytes * (1 + 4 * kStages); }
 };
+
+// Q rows that come by bulk tensor copy: the whole consumer warpgroups whose 64 rows are all the tile's (a prefix of
+// the tile's rows), none without a map of q (q_bulk false) or in a PW_SM90_Q_BULK=0 build.
+template <int kCtaQ, int kWG>
+__device__ __forceinline__ int q_bulk_rows(int rows_valid, bool q_bulk) {
+  if (!PW_SM90_Q_BULK || !q_bulk) return 0;
+  return min(rows_valid, Cfg<kCtaQ, kWG>::kRowsQ) / kWarpgroupRows * kWarpgroupRows;
+}
 
 // Buffer of KV tile j, and the parity of the mbarrier phase of that buffer's use by tile j (its use j / kStages).
 __device__ __forceinline__ int stage_of(int j) { return j % kStages; }

@@ -3,7 +3,8 @@
 //
 // Barriers (shared memory, Smem): q_full, then per stage s (KV tile j uses stage j % kStages) full_k[s],
 // full_v[s], empty_k[s], empty_v[s].
-//   * q_full completes once Q has landed: one cp.async-tracked arrival per producer thread.
+//   * q_full completes once Q has landed: one cp.async-tracked arrival per producer thread, and the bytes of Q's
+//     bulk tensor copies when there are any (posted by thread 0 before its arrival).
 //   * full_x[s] completes once tile j's K (V) has landed in stage s: with cp.async copies one tracked arrival per
 //     producer thread; with bulk tensor copies one arrival carrying the tile's byte count, completed by the
 //     copies themselves.
@@ -15,7 +16,8 @@
 //   * producer_tma: bulk tensor copies (page_size 8, 16, 32 or a multiple of 64) through two tensor maps over
 //     the pool, {head dim, kv head, slot, page}, written with the 128-byte swizzle;
 //   * producer_cp_async: 16-byte cp.async of every key row with its own page lookup (any page_size).
-// Both load Q first with cp.async and read only keys below kv_len. The cp.async path zero-fills keys outside
+// Both load Q first (load_q: bulk tensor copies of whole warpgroups' rows where it can, cp.async for the rest) and
+// read only keys below kv_len. The cp.async path zero-fills keys outside
 // [kv_lo, kv_hi) instead of reading them; the bulk path reads them, and the consumers mask them.
 #pragma once
 
@@ -65,20 +67,35 @@ __device__ __forceinline__ void issue_kv_rows(uint32_t s_tile, const __nv_bfloat
   }
 }
 
-// Producer, Q tile (all four warps; rows past rows_valid zero-filled): warp w copies rows w, w+4, ...; row r ->
-// (token, head in group) walked by 4; lane = 16-byte chunk. Arrives on q_full once its copies have landed.
+// Producer, Q tile (all four warps). Rows [0, bulk_rows) (q_bulk_rows: whole consumer warpgroups' 64 rows, all the
+// tile's) come by thread 0's bulk tensor copies through map_q, four per warpgroup (box {64 dims, group heads,
+// 64 / group tokens} per 64-column block, written with the 128-byte swizzle), their bytes posted on q_full first.
+// The other rows by cp.async (rows past rows_valid zero-filled): warp w copies rows bulk_rows + w, + 4, ...; row r
+// -> (token, head in group) walked by 4; lane = 16-byte chunk. Each thread arrives on q_full once its copies have
+// landed.
 template <int kCtaQ, int kWG>
 __device__ __forceinline__ void load_q(const Params& p, const Smem<kCtaQ, kWG>& sm, const TileGeometry& t, int kv_head,
-                                       int warp, int lane) {
+                                       const CUtensorMap* map_q, int bulk_rows, int warp, int lane) {
   using C = Cfg<kCtaQ, kWG>;
   const int grp = p.group;
-  const int pr0 = t.row0 + warp;
+  if (bulk_rows > 0 && warp == 0 && lane == 0) {
+    mbar_expect_tx(sm.q_full(), static_cast<uint32_t>(bulk_rows) * kRowBytes);
+    for (int r0 = 0; r0 < bulk_rows; r0 += kWarpgroupRows) {
+      const int token0 = t.qo_begin + (t.row0 + r0) / grp;  // group divides 64 (the host's map needs it)
+#pragma unroll
+      for (int b = 0; b < kHeadDim / kBlockCols; ++b) {
+        tma_load_3d(sm.q + b * C::kQBlockBytes + r0 * kBlockRowBytes, map_q, b * kBlockCols, kv_head * grp, token0,
+                    sm.q_full());
+      }
+    }
+  }
+  const int pr0 = t.row0 + bulk_rows + warp;
   int tok = pr0 / grp;
   int hg = pr0 - tok * grp;
   const int step_tok = kWarpgroupWarps / grp;
   const int step_hg = kWarpgroupWarps - step_tok * grp;
 #pragma unroll 4
-  for (int it = 0; it < C::kRowsQ / kWarpgroupWarps; ++it) {
+  for (int it = bulk_rows / kWarpgroupWarps; it < C::kRowsQ / kWarpgroupWarps; ++it) {
     const int r = warp + kWarpgroupWarps * it;
     const bool valid = r < t.rows_valid;
     const void* src = p.q;
@@ -101,7 +118,8 @@ __device__ __forceinline__ void load_q(const Params& p, const Smem<kCtaQ, kWG>& 
 // copies key rows 16w .. 16w+15 of every tile, K then V; lane = 16-byte chunk (one 512-byte row per instruction).
 // All four warps copy every tile: a warp's copies go through its own scheduler's load/store path.
 template <int kCtaQ, int kWG>
-__device__ __forceinline__ void producer_cp_async(const Params& p, const Smem<kCtaQ, kWG>& sm) {
+__device__ __forceinline__ void producer_cp_async(const Params& p, const Smem<kCtaQ, kWG>& sm, const CUtensorMap* map_q,
+                                                  bool q_bulk) {
   const TileGeometry t = pw_tile::tile_geometry<kCtaQ, kKvTile>(p, blockIdx.x);
   const int kv_head = blockIdx.y;
   const int warp = (threadIdx.x >> 5) & 3;
@@ -122,7 +140,7 @@ __device__ __forceinline__ void producer_cp_async(const Params& p, const Smem<kC
   int page = 0;  // page id of the current tile's row (valid rows only), loaded one tile ahead
   if (row_valid(pos)) page = __ldg(pages + pi);  // tile 0: in flight while Q is issued
 
-  load_q(p, sm, t, kv_head, warp, lane);
+  load_q(p, sm, t, kv_head, map_q, q_bulk_rows<kCtaQ, kWG>(t.rows_valid, q_bulk), warp, lane);
 
 #pragma unroll 1
   for (int j = 0; j < t.n_tiles; ++j) {
@@ -154,7 +172,7 @@ __device__ __forceinline__ void producer_cp_async(const Params& p, const Smem<kC
   cp_async_wait_all();  // leave no copy in flight behind an exiting thread
 }
 
-// TMA producer (page_size 8, 16, 32 or a multiple of 64; the host checks). Warps 0-3 load Q with cp.async;
+// TMA producer (page_size 8, 16, 32 or a multiple of 64; the host checks). Warps 0-3 load Q (load_q);
 // then warp 0 copies K(j) and warp 1 V(j) of every KV tile (their first tile's page ids loaded before Q). A 64-key tile
 // is 64 / box_rows chunks of box_rows = min(page_size, 64) keys inside one page; lane 4c + b copies 64-column block b
 // of chunk c with one bulk tensor copy: box {64 dims, 1 head, box_rows slots, 1 page} of the map, written with the
@@ -164,7 +182,7 @@ __device__ __forceinline__ void producer_cp_async(const Params& p, const Smem<kC
 // "full" barrier with the tile's bulk-copy byte count (count 1 per phase); the phase completes when they land.
 template <int kCtaQ, int kWG>
 __device__ __forceinline__ void producer_tma(const Params& p, const Smem<kCtaQ, kWG>& sm, const CUtensorMap* map_k,
-                                             const CUtensorMap* map_v) {
+                                             const CUtensorMap* map_v, const CUtensorMap* map_q, bool q_bulk) {
   const TileGeometry t = pw_tile::tile_geometry<kCtaQ, kKvTile>(p, blockIdx.x);
   const int kv_head = blockIdx.y;
   const int warp = (threadIdx.x >> 5) & 3;
@@ -186,7 +204,7 @@ __device__ __forceinline__ void producer_tma(const Params& p, const Smem<kCtaQ, 
   int page = 0;  // page id of the current tile's chunk, loaded one tile ahead: tile 0's in flight while Q is issued
   if (warp < 2 && box_inside(pos)) page = __ldg(pages + pi);
 
-  load_q(p, sm, t, kv_head, warp, lane);
+  load_q(p, sm, t, kv_head, map_q, q_bulk_rows<kCtaQ, kWG>(t.rows_valid, q_bulk), warp, lane);
   if (warp >= 2) {
     cp_async_wait_all();
     return;

@@ -261,6 +261,8 @@ KERNEL_GEOMETRIES = [
     (8, [300, 45], [0, 77], (16, 8), 128),
     (32, [577], [100], (16, 8), None),
     (128, [200, 70], [1000, 3], (8, 2), 128),
+    # group 3 (64 rows are no whole number of tokens): no tensor map of q or out, every row copied on its own
+    (16, [300], [40], (6, 2), 128),
     # tile 16, the split-KV decode kernel: ragged decode (kv_len 1 included), one request's keys split over many
     # CTAs, GQA 1 / 8 / 16, a request of two 16-row tiles, empty requests, page sizes 1 and 5
     (16, [1] * 9, [0, 15, 16, 17, 100, 1023, 1024, 4095, 2500], (16, 8), None),

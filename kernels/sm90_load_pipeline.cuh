@@ -177,7 +177,7 @@ __device__ __forceinline__ void producer_cp_async(const Params& p, const Smem<kC
 // is 64 / box_rows chunks of box_rows = min(page_size, 64) keys inside one page; lane 4c + b copies 64-column block b
 // of chunk c with one bulk tensor copy: box {64 dims, 1 head, box_rows slots, 1 page} of the map, written with the
 // 128-byte swizzle into exactly the layout the cp.async producer writes. A chunk reaching past the request's kv_len
-// (only in the last tile of a request) is copied row by row by the warp instead, zeros past kv_len, so that no slot
+// (only in the last tile of a request) is copied by the warp's cp.async instead, zeros past kv_len, so that no slot
 // past the request's length (unspecified contents, possibly NaN) reaches the PV GEMM. Lane 0 arrives on the buffer's
 // "full" barrier with the tile's bulk-copy byte count (count 1 per phase); the phase completes when they land.
 template <int kCtaQ, int kWG>
@@ -233,22 +233,29 @@ __device__ __forceinline__ void producer_tma(const Params& p, const Smem<kCtaQ, 
     const uint32_t full = is_k ? sm.full_k(st) : sm.full_v(st);
     mbar_wait<true>(is_k ? sm.empty_k(st) : sm.empty_v(st), par ^ 1);  // the first use passes at once
     trace.issued(is_k, j);
-    // Rows from the first chunk that reaches past kv_len (uniform across the warp): copied here, zeros past
-    // kv_len, with ordinary loads and stores, made visible to the tensor cores before the arrive below.
+    // Rows from the first chunk that reaches past kv_len (uniform across the warp): copied here by cp.async, zeros
+    // past kv_len, landed and made visible to the tensor cores before the arrive below. The chunk lies in one page
+    // (box_rows divides the page, or is 64 inside a page of a multiple of 64 keys), so its keys below kv_len need
+    // one page id, and every row's copy is in flight at once (a row-by-row load and store waits a round trip per
+    // row: up to 63 at page_size 64).
     const int tail_row0 = min(kKvTile, ((t.kv_len - tile_key0) / box_rows) * box_rows);
     if (tail_row0 < kKvTile) {
+      const int tail_key0 = tile_key0 + tail_row0;  // the chunk's first key; at or past kv_len: every row zero
+      const int valid_rows = t.kv_len - tile_key0;   // rows [tail_row0, valid_rows) are below kv_len
+      const __nv_bfloat16* src = p.pool;
+      if (tail_key0 < t.kv_len) {
+        const int tail_pi = tail_key0 / ps;
+        src = pool_lane + static_cast<long long>(__ldg(pages + tail_pi)) * p.page_stride +
+              static_cast<long long>((tail_key0 - tail_pi * ps) * p.num_kv_heads + kv_head) * kHeadDim;
+      }
+      const int slot_elems = p.num_kv_heads * kHeadDim;  // from one slot's row to the next
 #pragma unroll 1
       for (int r = tail_row0; r < kKvTile; ++r) {
-        const int key = tile_key0 + r;
-        uint4 v = make_uint4(0u, 0u, 0u, 0u);
-        if (key < t.kv_len) {
-          const int kp = key / ps;
-          const long long off = static_cast<long long>(__ldg(pages + kp)) * p.page_stride +
-                                static_cast<long long>((key - kp * ps) * p.num_kv_heads + kv_head) * kHeadDim;
-          v = __ldg(reinterpret_cast<const uint4*>(pool_lane + off));
-        }
-        st_shared_v4(buf + sw128<kKvTile>(r, lane), v);
+        const bool valid = r < valid_rows;
+        cp_async_16(buf + sw128<kKvTile>(r, lane), valid ? static_cast<const void*>(src) : p.pool, valid ? 16 : 0);
+        src += slot_elems;
       }
+      cp_async_wait_all();
       fence_proxy_async();
     }
     const uint32_t boxes = __popc(__ballot_sync(0xffffffffu, copy_box));

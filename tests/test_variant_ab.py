@@ -64,6 +64,14 @@ def test_attention_workloads_are_bench_workloads_or_sweep_points(monkeypatch):
     assert (point.seq_lens, point.start_positions, point.window_left) == ((1,), (4095,), 1023)
     with pytest.raises(ValueError, match="'decode_b1_kv5_w1023' is neither a bench workload nor a sweep point"):
         attention_workload("decode_b1_kv5_w1023")
+    # A point off the sweep's grid, named as its points are: a request whose keys end 15 rows into a page.
+    off_grid = attention_workload("sweep_page_x_shape_b2_n512_c30015_p16_w-1")
+    assert off_grid.name == "sweep_page_x_shape_b2_n512_c30015_p16_w-1"
+    assert (off_grid.seq_lens, off_grid.start_positions) == ((512, 512), (30015, 30015))
+    assert (off_grid.window_left, off_grid.page_size) == (-1, 16)
+    for bad in ("sweep_page_x_shape_b0_n512_c0_p16_w1023", "sweep_page_x_shape_b1_n512_c0_p0_w1023", "sweep_b1"):
+        with pytest.raises(ValueError, match="neither a bench workload nor a sweep point"):
+            attention_workload(bad)
 
 
 def test_the_table_gives_each_variants_median_its_rounds_range_and_its_ratio_to_the_first():

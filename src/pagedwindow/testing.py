@@ -263,6 +263,9 @@ KERNEL_GEOMETRIES = [
     (128, [200, 70], [1000, 3], (8, 2), 128),
     # group 3 (64 rows are no whole number of tokens): no tensor map of q or out, every row copied on its own
     (16, [300], [40], (6, 2), 128),
+    # the bulk-copy producer's last chunk (the first reaching past kv_len) starting exactly at kv_len: every row
+    # zero-filled, no page id read (kv_len 1072 and 112: 48 keys into the last 64-key tile, at page 16)
+    (16, [72, 100], [1000, 12], (16, 8), 128),
     # tile 16, the split-KV decode kernel: ragged decode (kv_len 1 included), one request's keys split over many
     # CTAs, GQA 1 / 8 / 16, a request of two 16-row tiles, empty requests, page sizes 1 and 5
     (16, [1] * 9, [0, 15, 16, 17, 100, 1023, 1024, 4095, 2500], (16, 8), None),

@@ -11,9 +11,9 @@ _POINT_NAME = re.compile(r"sweep_([a-z_]+?)_b(\d+)_n(\d+)_c(\d+)_p(\d+)_w(-?\d+)
 
 def attention_workload(name: str) -> bench.Workload:
     """The attention workload called ``name``: one of ``bench.WORKLOADS``, a sweep point (``bench --sweep``'s
-    names, e.g. ``decode_b1_kv4096_w1023``), or a point off the sweep's grid named as its points are
-    (``sweep_<slice>_b<batch>_n<new>_c<cached>_p<page size>_w<window>``, e.g. ``sweep_page_x_shape_b1_n512_c30015_p16_w1023``:
-    ``batch`` requests of ``new`` tokens on ``cached`` keys). Raises ValueError for any other name."""
+    names, e.g. ``decode_b1_kv4096_w1023``), or a point off the sweep's grid named as its points are,
+    ``sweep_<slice>_b<batch>_n<new>_c<cached>_p<page size>_w<window>`` (``batch`` requests of ``new`` tokens on
+    ``cached`` keys; e.g. ``sweep_page_x_shape_b1_n512_c30015_p16_w1023``). Raises ValueError for any other name."""
     if name in bench.WORKLOADS:
         return bench.WORKLOADS[name]
     for sweep_slice in bench_sweep.sweep_slices():

@@ -241,7 +241,7 @@ __device__ __forceinline__ void producer_tma(const Params& p, const Smem<kCtaQ, 
     const int tail_row0 = min(kKvTile, ((t.kv_len - tile_key0) / box_rows) * box_rows);
     if (tail_row0 < kKvTile) {
       const int tail_key0 = tile_key0 + tail_row0;  // the chunk's first key; at or past kv_len: every row zero
-      const int valid_rows = t.kv_len - tile_key0;   // rows [tail_row0, valid_rows) are below kv_len
+      const int valid_rows = t.kv_len - tile_key0;  // rows [tail_row0, valid_rows) are below kv_len
       const __nv_bfloat16* src = p.pool;
       if (tail_key0 < t.kv_len) {
         const int tail_pi = tail_key0 / ps;

@@ -78,6 +78,8 @@ DECODE_KV_LENS = (1, 1024, 4096, 32768, 131072)
 PAGE_SHAPES = {
     "decode 64x4096": (64, 1, 4095),
     "chunk 512 on 30000": (1, 512, 30000),
+    # keys ending one short of a 64-key tile (30 527): at every page size the last page-sized chunk is partial
+    "chunk 512 on 30015": (1, 512, 30015),
     "prefill 1x8192": (1, 8192, 0),
     "prompts 32x128": (32, 128, 0),
 }

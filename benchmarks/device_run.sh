@@ -17,8 +17,12 @@
 # PLAN_FORMS=1 adds a step after the host cost: planning by CSR form against FlashInfer fa2's plan, interleaved,
 # at every batch shape of the sweep (`benchmarks/plan_profile.py --forms --shapes sweep`; PLAN_FORMS_ARGS adds
 # flags), its rows in $OUT/<gpu>-<date>-plan-forms.json.
+# AB_ARGS="--variant main: --src main=ab/main/src --variant new: --workloads ... --rounds 4" runs variant_ab.py first
+# (before anything else loads the GPU), its JSON in $OUT/ab.json; unpack the base tree beside this one before the
+# call (git archive <base> src kernels | tar -x -C ab/main: the device's copy of the tree may carry no history).
 # Results: $OUT/log.txt, the main bench's JSON/MD, <gpu>-<date>-host-cost.json (named like the bench's files, after
-# the GPU present), and every bench file in $OUT/bench.tar.gz.
+# the GPU present), and every bench file in $OUT/bench.tar.gz; at the end every file under $OUT again in
+# $OUT/all.tar.gz (a call brings back only so many files).
 set -uo pipefail
 OUT=${OUT:-/tmp/pw-out}
 mkdir -p "$OUT"
@@ -39,6 +43,14 @@ STEM=$(python3 -c "import datetime, torch; from pagedwindow.bench import result_
 print(result_stem(torch.cuda.get_device_name(), datetime.date.today().isoformat()))")
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$LOG"
+
+ab="skipped"
+ta=$(date +%s)
+if [ -n "${AB_ARGS:-}" ]; then
+  step "A/B: python3 benchmarks/variant_ab.py $AB_ARGS"
+  eval python3 benchmarks/variant_ab.py "$AB_ARGS" --json "$OUT/ab.json" 2>&1 | tee -a "$LOG" | tail -20
+  ab="rc=${PIPESTATUS[0]}"
+fi
 
 step build
 t0=$(date +%s)
@@ -156,6 +168,7 @@ t6=$(date +%s)
 echo
 echo "| step | result | seconds |"
 echo "|---|---|---|"
+if [ -n "${AB_ARGS:-}" ]; then echo "| A/B | $ab | $((t0 - ta)) |"; fi
 echo "| build | $(grep -h 'built/loaded' "$LOG" | tail -1) | $((t1 - t0)) |"
 echo "| GPU suite (-m cuda, REQUIRE_GPU=1) | $suite | $((t2 - t1)) |"
 echo "| memcheck + error table | $memcheck | $((t3 - t2)) |"
@@ -163,3 +176,4 @@ echo "| bench | $bench | $((t4 - t3)) |"
 if [ "${PREP_BENCH:-0}" = 1 ]; then echo "| prep bench | $prep | $((t4p - t4)) |"; fi
 echo "| host cost, plan forms | $host; $forms | $((t5 - t4p)) |"
 if [ "${DECODE_SWEEP:-0}" = 1 ]; then echo "| decode sweep | $sweep | $((t6 - t5)) |"; fi
+tar -czf "$OUT/all.tar.gz" -C "$OUT" --exclude all.tar.gz . 2>/dev/null || true

@@ -11,10 +11,13 @@ per process), in a shuffled order; a process checks each workload's output again
 with ``bench.median_ms`` (host queued ahead): the attention workloads (``bench``'s names or sweep points', e.g.
 ``decode_b1_kv4096_w1023``) at the plan's default tile or the given one, or with ``--prep`` the prep workloads
 (``prepare_paged_qkv``, checked as ``bench --prep`` checks it). The table gives each variant's median over the
-rounds with the rounds' range, and its ratio to the first variant's (below 1: faster).
+rounds with the rounds' range, and its ratio to the first variant's (below 1: faster). For the attention
+workloads it also says whether every variant wrote the same output bits (each process hashes its output; the
+inputs come from one seed), which a change meant to keep every sum's order must do.
 """
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -85,14 +88,23 @@ def prep_child(workloads: list[str]) -> None:
     print(json.dumps(times))
 
 
+def output_digest(out) -> str:
+    """A short hash of a tensor's values, bit for bit as stored."""
+    import torch
+
+    flat = out.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+
+
 def child(workloads: list[str], tile: int | None) -> None:
-    """One build's kernel ms per attention workload, as one JSON line on stdout."""
+    """One build's kernel ms per attention workload and a hash of its output, as one JSON line on stdout:
+    ``{"ms": {workload: ms}, "digest": {workload: hash}}``."""
     import torch
 
     from pagedwindow import bench
 
     device = torch.device("cuda")
-    times = {}
+    times, digests = {}, {}
     from workload_names import attention_workload  # beside this script
 
     for name in workloads:
@@ -108,10 +120,11 @@ def child(workloads: list[str], tile: int | None) -> None:
         bound = bench.OUTPUT_TOLERANCE * want.float().abs().max().item()
         if not err <= bound:
             raise SystemExit(f"{name}: max |out - ref| {err:.3e} over the bound {bound:.3e}")
+        digests[name] = output_digest(made[0][1]())
         times[name] = bench.median_ms([call for call, _ in made], 200)
         del sets, made
         torch.cuda.empty_cache()
-    print(json.dumps(times))
+    print(json.dumps({"ms": times, "digest": digests}))
 
 
 def main() -> None:
@@ -145,6 +158,7 @@ def main() -> None:
     from pagedwindow.bench import shuffled_rounds
 
     rounds: dict[str, list[dict]] = {label: [] for label in variants}
+    digests: dict[str, dict[str, list[str]]] = {label: {} for label in variants}  # attention workloads only
     cmd = [sys.executable, __file__, "--child", "--workloads", *workloads] + (["--prep"] if args.prep else [])
     if args.cta_tile_q:
         cmd += ["--cta-tile-q", str(args.cta_tile_q)]
@@ -154,7 +168,12 @@ def main() -> None:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 raise SystemExit(f"variant {label} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-            rounds[label].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            result = json.loads(proc.stdout.strip().splitlines()[-1])
+            if not args.prep:
+                for name, digest in result["digest"].items():
+                    digests[label].setdefault(name, []).append(digest)
+                result = result["ms"]
+            rounds[label].append(result)
             print(f"{label}: {rounds[label][-1]}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
@@ -165,16 +184,30 @@ def main() -> None:
                     "prep": args.prep,
                     "cta_tile_q": args.cta_tile_q,
                     "rounds": rounds,
+                    "output_digests": None if args.prep else digests,
                 },
                 f,
                 indent=1,
             )
-    print("\n" + "\n".join(table(rounds, workloads)))
+    print("\n" + "\n".join(table(rounds, workloads, None if args.prep else digests)))
 
 
-def table(rounds: dict[str, list[dict]], workloads: list[str]) -> list[str]:
+def same_output(digests: dict[str, dict[str, list[str]]], name: str) -> str:
+    """``"same bits"`` when every process of every variant hashed workload ``name``'s output alike; else which
+    variants' outputs differ from the first variant's (or vary between its own rounds)."""
+    labels = list(digests)
+    first = set(digests[labels[0]][name])
+    if len(first) > 1:
+        return f"{labels[0]} varies between rounds"
+    differ = [v for v in labels[1:] if set(digests[v][name]) != first]
+    return "same bits" if not differ else "differ: " + ", ".join(differ)
+
+
+def table(rounds: dict[str, list[dict]], workloads: list[str], digests=None) -> list[str]:
     """Markdown rows: per workload each variant's median ms over its rounds with the rounds' range (a bimodal or
-    noisy workload shows there, not in the median alone), then each variant's median over the first variant's."""
+    noisy workload shows there, not in the median alone), then each variant's median over the first variant's;
+    with ``digests`` (``{variant: {workload: [hash per round]}}``) a last column saying whether the outputs were
+    the same bits (:func:`same_output`)."""
     labels = list(rounds)
     first = labels[0]
     lines = [
@@ -182,15 +215,16 @@ def table(rounds: dict[str, list[dict]], workloads: list[str]) -> list[str]:
         + " | ".join(f"{v} ms (rounds)" for v in labels)
         + " | "
         + " | ".join(f"{v} / {first}" for v in labels[1:])
-        + " |",
-        "|---|" + "---|" * (2 * len(labels) - 1),
+        + (" | outputs |" if digests else " |"),
+        "|---|" + "---|" * (2 * len(labels) - 1 + (1 if digests else 0)),
     ]
     for name in workloads:
         times = {v: [r[name] for r in rounds[v]] for v in labels}
         med = {v: statistics.median(t) for v, t in times.items()}
         cells = [f"{med[v]:.4f} ({min(times[v]):.4f}–{max(times[v]):.4f})" for v in labels]
         ratios = [f"{med[v] / med[first]:.3f}" for v in labels[1:]]
-        lines.append(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+        last = f" | {same_output(digests, name)} |" if digests else " |"
+        lines.append(f"| {name} | " + " | ".join(cells) + " | " + " | ".join(ratios) + last)
     return lines
 
 

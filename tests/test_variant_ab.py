@@ -84,3 +84,28 @@ def test_the_table_gives_each_variants_median_its_rounds_range_and_its_ratio_to_
         "|---|---|---|---|",
         "| w | 0.4900 (0.4700–0.5000) | 0.4500 (0.4400–0.4600) | 0.918 |",
     ]
+
+
+def test_the_table_says_whether_every_variant_wrote_the_same_output_bits():
+    rounds = {"main": [{"w": 0.5, "x": 0.2}] * 2, "new": [{"w": 0.4, "x": 0.2}] * 2, "alt": [{"w": 0.5, "x": 0.1}] * 2}
+    digests = {
+        "main": {"w": ["aa", "aa"], "x": ["cc", "cc"]},
+        "new": {"w": ["aa", "aa"], "x": ["cc", "dd"]},
+        "alt": {"w": ["aa", "aa"], "x": ["ee", "ee"]},
+    }
+    lines = variant_ab.table(rounds, ["w", "x"], digests)
+    assert lines[0].endswith("| new / main | alt / main | outputs |") and lines[1] == "|---|" + "---|" * 6
+    assert lines[2].endswith("| same bits |")
+    assert lines[3].endswith("| differ: new, alt |")  # new's rounds disagree with main's too
+    assert variant_ab.same_output({"main": {"x": ["cc", "dd"]}, "new": {"x": ["cc"]}}, "x") == (
+        "main varies between rounds"
+    )
+
+
+def test_an_output_digest_is_its_bits():
+    import torch
+
+    a = torch.tensor([1.0, -0.0, 2.5], dtype=torch.bfloat16)
+    assert variant_ab.output_digest(a) == variant_ab.output_digest(a.clone())
+    assert variant_ab.output_digest(a) != variant_ab.output_digest(torch.tensor([1.0, 0.0, 2.5], dtype=torch.bfloat16))
+    assert len(variant_ab.output_digest(a)) == 16

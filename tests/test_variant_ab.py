@@ -109,3 +109,33 @@ def test_an_output_digest_is_its_bits():
     assert variant_ab.output_digest(a) == variant_ab.output_digest(a.clone())
     assert variant_ab.output_digest(a) != variant_ab.output_digest(torch.tensor([1.0, 0.0, 2.5], dtype=torch.bfloat16))
     assert len(variant_ab.output_digest(a)) == 16
+
+
+def test_the_parent_keeps_each_rounds_times_and_output_hashes(monkeypatch, tmp_path, capsys):
+    import json
+    import subprocess
+    import sys
+
+    monkeypatch.syspath_prepend(str(_SCRIPT.parent))  # workload names are checked before any process runs
+    seen = []
+
+    def fake_child(cmd, env, capture_output, text):  # what a timed child prints: times and output hashes
+        label = "new" if env["PAGEDWINDOW_NVCC_FLAGS"] == "-DNEW=1" else "main"
+        seen.append((label, cmd[cmd.index("--workloads") + 1 :]))
+        line = {"ms": {"prefill_1x8192": 0.25 if label == "main" else 0.2}, "digest": {"prefill_1x8192": "ab12"}}
+        return subprocess.CompletedProcess(cmd, 0, stdout="built\n" + json.dumps(line) + "\n", stderr="")
+
+    monkeypatch.setattr(variant_ab.subprocess, "run", fake_child)
+    out = tmp_path / "ab.json"
+    argv = ["variant_ab.py", "--variant", "main:", "--variant", "new:-DNEW=1", "--workloads", "prefill_1x8192"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--rounds", "2", "--json", str(out)])
+    variant_ab.main()
+    assert sorted(label for label, _ in seen) == ["main", "main", "new", "new"]
+    assert all(workloads == ["prefill_1x8192"] for _, workloads in seen)
+    record = json.loads(out.read_text())
+    assert record["rounds"] == {"main": [{"prefill_1x8192": 0.25}] * 2, "new": [{"prefill_1x8192": 0.2}] * 2}
+    assert record["output_digests"] == {
+        "main": {"prefill_1x8192": ["ab12"] * 2},
+        "new": {"prefill_1x8192": ["ab12"] * 2},
+    }
+    assert capsys.readouterr().out.rstrip().endswith("| 0.800 | same bits |")

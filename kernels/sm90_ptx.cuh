@@ -99,8 +99,8 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
-// Bulk tensor copy (TMA) of one box of the 3-D view {head dim, q head, token} of q into shared memory, completing
-// `bytes` of the mbarrier's transaction count.
+// Bulk tensor copy (TMA) of one box of the 3-D view {head dim, q head, token} of q into shared memory, its bytes
+// completing on the mbarrier's transaction count.
 __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1, int c2,
                                             uint32_t bar) {
   asm volatile(

@@ -37,6 +37,7 @@
 
 #include <atomic>
 
+#include "decode_trace.cuh"    // the per-CTA timeline of a -DPW_DECODE_TRACE=1 build (no code otherwise)
 #include "online_softmax.cuh"  // the boundary mask and online-softmax step (16 rows x 8 kN keys)
 #include "prefill_launch.cuh"  // status codes, PwPrefillParams
 #include "ptx_common.cuh"      // cp.async, ldmatrix, mma.sync, bf16 packing
@@ -148,7 +149,7 @@ constexpr int kMergeRows = 2;    // rows whose columns are summed together (a de
 constexpr int kMergeUnroll = 8;  // splits whose loads a lane keeps in flight per row: 2 x 8 x 8 floats
 
 __device__ __forceinline__ void merge_splits(const Params& p, const Tile& t, int kv_head, int first, int splits,
-                                             float* weights, int lane) {
+                                             float* weights, int lane, DecodeTrace& trace, bool traced) {
   static_assert(kMaxSplits <= 64, "two splits per lane");
   static_assert(kRows * kMaxSplits * sizeof(float) <= kStages * kTileBytes, "the weights fit the K stages");
   const float* lse_base = p.workspace + static_cast<long long>(p.workspace_units) * kPartialFloats;
@@ -179,6 +180,7 @@ __device__ __forceinline__ void merge_splits(const Params& p, const Tile& t, int
       p.lse[row_offset(p, t, kv_head, r) / kHeadDim] = total > 0.f ? (mx + __log2f(total)) * kLn2 : -INFINITY;
   }
   __syncwarp();  // every row's weights written
+  trace.clock(traced, kSlotMergeWeights);
 
   // Loads are never predicated, so that the compiler issues a whole chunk's at once: a split past `splits` reads
   // the last split's (finite) partial with weight 0, and a row past the tile's reads its last row, never stored.
@@ -203,6 +205,7 @@ __device__ __forceinline__ void merge_splits(const Params& p, const Tile& t, int
           acc[h][4] += w * b.x, acc[h][5] += w * b.y, acc[h][6] += w * b.z, acc[h][7] += w * b.w;
         }
       }
+      trace.clock(traced && r0 == 0 && s0 == 0, kSlotMergeBatch);
     }
 #pragma unroll
     for (int h = 0; h < kMergeRows; ++h) {
@@ -216,6 +219,7 @@ __device__ __forceinline__ void merge_splits(const Params& p, const Tile& t, int
       }
     }
   }
+  trace.clock(traced, kSlotMergeRows);
   __syncwarp();  // every lane done with the weights before the next unit's copies reuse the stages
 }
 
@@ -225,6 +229,7 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
   const uint32_t sK = sQ + kTileBytes;
   const uint32_t sV = sK + kStages * kTileBytes;
   const int lane = threadIdx.x;
+  DecodeTrace trace;  // records in a -DPW_DECODE_TRACE=1 build only
 
   const int num_tiles = p.plan_scalars[2];
   const int items = num_tiles * p.num_kv_heads;
@@ -259,6 +264,10 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
     const int per = (t.steps + tile_splits - 1) / tile_splits;
     const int j0 = min(t.steps, split * per);
     const int n = min(t.steps, j0 + per) - j0;  // this unit's steps
+    const bool first = trace.unit();            // the trace records the CTA's first unit
+    trace.clock(first, kSlotReady);
+    trace.value(first, kSlotFirstUnit, u + 1);
+    trace.value(first, kSlotSteps, n);
 
     // ---- Q (rows past the tile's zero-filled) and the first kStages - 1 steps
 #pragma unroll 4
@@ -295,6 +304,8 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
     for (int i = 0; i < n; ++i) {
       cp_async_wait<kStages - 2>();  // step i (and Q) landed
       __syncwarp();                  // every lane's copies, and every lane is done with step i - 1's stage
+      trace.clock(first && i == 0, kSlotLanded);
+      trace.clock(first && i == 1, kSlotSecondStep);
       {
         const int ahead = i + kStages - 1;  // into the stage step i - 1 used
         if (ahead < n) {
@@ -346,6 +357,7 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
     }
     cp_async_wait<0>();
     __syncwarp();  // no copy still landing; every lane done with the stages and Q
+    trace.clock(first, kSlotLoopEnd);
 
     float inv0, inv1;
     softmax.finalize(inv0, inv1);
@@ -365,6 +377,7 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
         const uint4 v = ld_shared_v4(sQ + swz(r, lane));
         *reinterpret_cast<uint4*>(p.out + row_offset(p, t, kv_head, r) + lane * 8) = v;
       }
+      trace.clock(first, kSlotStored);
       __syncwarp();  // the next unit's Q copies land where these rows were staged
       continue;
     }
@@ -386,6 +399,7 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
       if (g < t.rows) __stcg(part_lse + g, softmax.lse_log2(0));
       if (g + 8 < t.rows) __stcg(part_lse + g + 8, softmax.lse_log2(1));
     }
+    trace.clock(first, kSlotStored);
     // The counter: lane 0's release carries the whole warp's partial (ordered before it by __syncwarp) to the
     // split that acquires the last count; that split's lanes read the others' partials after lane 0's acquire
     // (ordered by the __syncwarp after the shuffle).
@@ -393,12 +407,17 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
     int arrived = 0;
     if (lane == 0) arrived = atomic_add_acq_rel_gpu(p.split_counters + item, 1);
     arrived = __shfl_sync(kFullMask, arrived, 0);
+    trace.clock(first, kSlotArrived);
     if (arrived == tile_splits - 1) {  // the last split of this tile: every other partial is written
       __syncwarp();
-      merge_splits(p, t, kv_head, item * splits, tile_splits, reinterpret_cast<float*>(smem + kTileBytes), lane);
+      merge_splits(p, t, kv_head, item * splits, tile_splits, reinterpret_cast<float*>(smem + kTileBytes), lane, trace,
+                   first);
       if (lane == 0) p.split_counters[item] = 0;  // ready for the next launch (or graph replay)
+      trace.clock(first, kSlotMergeEnd);
+      trace.value(first, kSlotMerged, 1);
     }
   }
+  trace.exit();
 }
 
 constexpr int kMaxDevices = 64;
@@ -433,6 +452,33 @@ static int resident_ctas(int device, int* ctas) {
 }
 
 }  // namespace pw_decode
+
+// The timeline of a -DPW_DECODE_TRACE=1 build (decode_trace.cuh): copies min(words, the buffer's) uint64 into host
+// memory `dst`, then zeroes the buffer. Returns the words copied, -1 in a build without the trace, or -(CUDA
+// error). Synchronises with the device.
+extern "C" long long pw_decode_trace(unsigned long long* dst, long long words) {
+#if PW_DECODE_TRACE
+  using namespace pw_decode;
+  const long long n = words < kDecodeTraceWords ? words : kDecodeTraceWords;
+  cudaError_t e = cudaMemcpyFromSymbol(dst, g_decode_trace, static_cast<size_t>(n) * sizeof(unsigned long long));
+  if (e != cudaSuccess) return -static_cast<long long>(e);
+  void* buf = nullptr;
+  e = cudaGetSymbolAddress(&buf, g_decode_trace);
+  if (e == cudaSuccess) e = cudaMemset(buf, 0, sizeof(g_decode_trace));
+  if (e == cudaSuccess) e = cudaDeviceSynchronize();
+  return e == cudaSuccess ? n : -static_cast<long long>(e);
+#else
+  (void)dst;
+  (void)words;
+  return -1;
+#endif
+}
+
+// The trace's layout (decode_trace.cuh): {CTAs traced, uint64 per CTA}.
+extern "C" void pw_decode_trace_layout(int* out) {
+  out[0] = pw_decode::kDecodeTraceCtas;
+  out[1] = pw_decode::kDecodeTraceSlots;
+}
 
 // Launch the decode kernel for a checked parameter block (pw_prefill_prepare) on the current device:
 // a persistent grid of at most the CTAs the device holds, never more than the plan's units can use.

@@ -55,3 +55,13 @@ def test_the_wait_trace_build_compiles_without_spills(tmp_path, monkeypatch):
     traced = [r for r in resources if "pw_prefill_hd256_sm90_kernel" in r.function]
     assert len(traced) == 4, report[-3000:]  # tiles 64 and 128, each with both K/V copy paths
     assert all((r.spill_stores, r.spill_loads, r.stack_frame) == (0, 0, 0) for r in traced), report[-3000:]
+
+
+def test_the_decode_trace_build_compiles_without_spills(tmp_path, monkeypatch):
+    """The decode kernel's measurement build (kernels/decode_trace.cuh, read by benchmarks/decode_trace.py), on the
+    oldest and the newest target: its global-timer and SM-id reads are plain PTX on both."""
+    monkeypatch.setenv("PAGEDWINDOW_NVCC_FLAGS", "-DPW_DECODE_TRACE=1")
+    resources, report = compile_for_targets(("sm_80", "sm_90a"), tmp_path)
+    traced = [r for r in resources if "pw_decode_hd256_kernel" in r.function]
+    assert {r.target for r in traced} == {"sm_80", "sm_90a"}, report[-3000:]
+    assert all((r.spill_stores, r.spill_loads, r.stack_frame) == (0, 0, 0) for r in traced), report[-3000:]

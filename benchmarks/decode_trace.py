@@ -136,7 +136,7 @@ def report(t: dict, workload: str) -> str:
         f"{workload}: span {t['span_ns'] / 1000:.2f} us; {t['ctas']} CTAs on {t['sms']} SMs ({t['ctas_with_a_unit']} "
         f"ran a unit, {t['merged']} merged), starting at {us(s['min'])} / {us(s['median'])} / {us(s['max'])} us "
         f"(min / median / max); SM clock {t['ghz']:.3f} GHz, timer step {t['timer_step_ns']} ns",
-        "| point | mean over CTAs with a unit (us) | the CTA that ended last (us) |",
+        "| point | mean over the CTAs with a unit that passed it (us) | the CTA that ended last (us) |",
         "|---|---|---|",
     ]
     last = t["last_cta"]

@@ -45,21 +45,9 @@ SLOT_NAMES = (
     "exit",
 )
 SLOT = {name: i for i, name in enumerate(SLOT_NAMES)}
-# The points of a CTA's way, in order, read from the SM clock (``entry`` and ``exit`` are also on the timer).
-POINTS = (
-    "entry",
-    "ready",
-    "landed",
-    "second_step",
-    "loop_end",
-    "stored",
-    "arrived",
-    "merge_weights",
-    "merge_batch",
-    "merge_rows",
-    "merge_end",
-    "exit",
-)
+# The points of a CTA's way, in order: the slots from ``entry`` on, SM clock readings (``entry`` and ``exit`` are
+# also on the timer).
+POINTS = SLOT_NAMES[SLOT["entry"] :]
 
 
 def read_trace(lib: ctypes.CDLL) -> np.ndarray:

@@ -458,15 +458,7 @@ static int resident_ctas(int device, int* ctas) {
 // error). Synchronises with the device.
 extern "C" long long pw_decode_trace(unsigned long long* dst, long long words) {
 #if PW_DECODE_TRACE
-  using namespace pw_decode;
-  const long long n = words < kDecodeTraceWords ? words : kDecodeTraceWords;
-  cudaError_t e = cudaMemcpyFromSymbol(dst, g_decode_trace, static_cast<size_t>(n) * sizeof(unsigned long long));
-  if (e != cudaSuccess) return -static_cast<long long>(e);
-  void* buf = nullptr;
-  e = cudaGetSymbolAddress(&buf, g_decode_trace);
-  if (e == cudaSuccess) e = cudaMemset(buf, 0, sizeof(g_decode_trace));
-  if (e == cudaSuccess) e = cudaDeviceSynchronize();
-  return e == cudaSuccess ? n : -static_cast<long long>(e);
+  return pw_copy_trace_and_zero(pw_decode::g_decode_trace, dst, words);
 #else
   (void)dst;
   (void)words;

@@ -21,6 +21,8 @@
 
 #include <stdint.h>
 
+#include "trace_readout.cuh"  // pw_copy_trace_and_zero: the host reads the buffer out
+
 #ifndef PW_DECODE_TRACE
 #define PW_DECODE_TRACE 0
 #endif

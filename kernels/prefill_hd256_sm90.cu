@@ -372,14 +372,7 @@ extern "C" const char* pw_prefill_hd256_sm90_error_string(int code) { return pw_
 // -(CUDA error). Synchronises with the device.
 extern "C" long long pw_prefill_sm90_wait_trace(uint32_t* dst, long long words) {
 #if PW_SM90_WAIT_TRACE
-  const long long n = words < pw_prefill_sm90::kTraceWords ? words : pw_prefill_sm90::kTraceWords;
-  cudaError_t e = cudaMemcpyFromSymbol(dst, pw_prefill_sm90::g_wait_trace, static_cast<size_t>(n) * sizeof(uint32_t));
-  if (e != cudaSuccess) return -static_cast<long long>(e);
-  void* buf = nullptr;
-  e = cudaGetSymbolAddress(&buf, pw_prefill_sm90::g_wait_trace);
-  if (e == cudaSuccess) e = cudaMemset(buf, 0, sizeof(pw_prefill_sm90::g_wait_trace));
-  if (e == cudaSuccess) e = cudaDeviceSynchronize();
-  return e == cudaSuccess ? n : -static_cast<long long>(e);
+  return pw_copy_trace_and_zero(pw_prefill_sm90::g_wait_trace, dst, words);
 #else
   (void)dst;
   (void)words;

@@ -23,7 +23,8 @@
 
 #include <stdint.h>
 
-#include "sm90_ptx.cuh"  // mbar_wait, PW_SM90_DEVICE_CODE
+#include "sm90_ptx.cuh"       // mbar_wait, PW_SM90_DEVICE_CODE
+#include "trace_readout.cuh"  // pw_copy_trace_and_zero: the host reads the buffer out
 
 #ifndef PW_SM90_WAIT_TRACE
 #define PW_SM90_WAIT_TRACE 0

@@ -52,18 +52,14 @@ POINTS = SLOT_NAMES[SLOT["entry"] :]
 
 def read_trace(lib: ctypes.CDLL) -> np.ndarray:
     """The trace buffer as rows [CTA, slot] (uint64); the device buffer is zeroed after the read."""
+    from trace_buffer import read_buffer  # beside this script
+
     layout = (ctypes.c_int * 2)()
     lib.pw_decode_trace_layout(layout)
     ctas, slots = layout
     if slots != len(SLOT_NAMES):
         raise SystemExit(f"the kernel's trace has {slots} slots a CTA, this script reads {len(SLOT_NAMES)}")
-    buf = np.zeros(ctas * slots, dtype=np.uint64)
-    read = lib.pw_decode_trace
-    read.argtypes, read.restype = [ctypes.c_void_p, ctypes.c_longlong], ctypes.c_longlong
-    n = read(buf.ctypes.data, ctas * slots)
-    if n != ctas * slots:
-        raise SystemExit(f"pw_decode_trace returned {n}: not a trace build, or a CUDA error")
-    return buf.reshape(ctas, slots)
+    return read_buffer(lib, "pw_decode_trace", ctas * slots, np.uint64).reshape(ctas, slots)
 
 
 def timeline(trace: np.ndarray) -> dict:

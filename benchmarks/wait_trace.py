@@ -24,15 +24,12 @@ TRACE_FLAG = "-DPW_SM90_WAIT_TRACE=1"
 def read_trace(lib: ctypes.CDLL) -> tuple[np.ndarray, int]:
     """The trace buffer as rows [3 * CTA + role, slot] (uint32; role 0 and 1 the consumer warpgroups, 2 the
     producer), and the iterations traced; the device buffer is zeroed after the read."""
+    from trace_buffer import read_buffer  # beside this script
+
     layout = (ctypes.c_int * 3)()
     lib.pw_prefill_sm90_wait_trace_layout(layout)
     rows, iters, slots = layout
-    buf = np.zeros(rows * slots, dtype=np.uint32)
-    read = lib.pw_prefill_sm90_wait_trace
-    read.argtypes, read.restype = [ctypes.c_void_p, ctypes.c_longlong], ctypes.c_longlong
-    n = read(buf.ctypes.data, rows * slots)
-    if n != rows * slots:
-        raise SystemExit(f"pw_prefill_sm90_wait_trace returned {n}: not a trace build, or a CUDA error")
+    buf = read_buffer(lib, "pw_prefill_sm90_wait_trace", rows * slots, np.uint32)
     return buf.reshape(rows // 3, 3, slots), iters
 
 

@@ -21,6 +21,7 @@
 
 #include <stdint.h>
 
+#include "ptx_common.cuh"     // global_timer_ns, sm_id
 #include "trace_readout.cuh"  // pw_copy_trace_and_zero: the host reads the buffer out
 
 #ifndef PW_DECODE_TRACE
@@ -66,11 +67,9 @@ class DecodeTrace {
       : row_(threadIdx.x == 0 && blockIdx.x < kDecodeTraceCtas ? g_decode_trace + blockIdx.x * kDecodeTraceSlots
                                                                : nullptr) {
     if (row_ == nullptr) return;
-    unsigned sm;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-    row_[kSlotSm] = sm;
+    row_[kSlotSm] = pw_ptx::sm_id();
     row_[kSlotEntry] = static_cast<unsigned long long>(clock64());
-    row_[kSlotEntryNs] = global_ns();
+    row_[kSlotEntryNs] = pw_ptx::global_timer_ns();
   }
   // A unit starts: true for the CTA's first, the one the points below record.
   __device__ __forceinline__ bool unit() { return units_++ == 0; }
@@ -86,15 +85,10 @@ class DecodeTrace {
     if (row_ == nullptr) return;
     row_[kSlotUnits] = static_cast<unsigned long long>(units_);
     row_[kSlotExit] = static_cast<unsigned long long>(clock64());
-    row_[kSlotExitNs] = global_ns();
+    row_[kSlotExitNs] = pw_ptx::global_timer_ns();
   }
 
  private:
-  __device__ __forceinline__ static unsigned long long global_ns() {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    return t;
-  }
   unsigned long long* const row_;
   int units_ = 0;
 };

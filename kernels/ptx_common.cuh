@@ -25,6 +25,19 @@ __device__ __forceinline__ void cp_async_wait() {
 // Wait for every copy this thread issued, committed or not (those tracked by an mbarrier included).
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
+// The device's global timer in ns (comparable across SMs), and the SM this thread runs on: for the measurement
+// builds (sm90_wait_trace.cuh, decode_trace.cuh).
+__device__ __forceinline__ unsigned long long global_timer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+__device__ __forceinline__ uint32_t sm_id() {
+  uint32_t sm;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  return sm;
+}
+
 // mbarriers (sm_80 and later; the sm_90 operations — transaction counts, the watchdog wait, the init fence — are in
 // sm90_ptx.cuh).
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {

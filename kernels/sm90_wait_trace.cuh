@@ -58,15 +58,9 @@ __device__ __forceinline__ uint32_t* trace_row(int row_in_cta) {
   return cta < kTraceCtas ? g_wait_trace + (3 * cta + row_in_cta) * kTraceSlots : nullptr;
 }
 
-__device__ __forceinline__ unsigned long long global_timer_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 __device__ __forceinline__ void record_clock_and_time(uint32_t* row, int slot_clock, int slot_ns) {
   const long long c = clock64();
-  const unsigned long long ns = global_timer_ns();
+  const unsigned long long ns = pw_ptx::global_timer_ns();
   row[slot_clock] = static_cast<uint32_t>(c);
   row[slot_ns] = static_cast<uint32_t>(ns);
   row[slot_ns + 1] = static_cast<uint32_t>(ns >> 32);
@@ -76,9 +70,7 @@ __device__ __forceinline__ void record_clock_and_time(uint32_t* row, int slot_cl
 __device__ __forceinline__ void trace_cta_entry() {
   uint32_t* const row = trace_row(2);
   if (row == nullptr) return;
-  uint32_t sm;
-  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-  row[kTraceSlotSm] = sm;
+  row[kTraceSlotSm] = pw_ptx::sm_id();
   record_clock_and_time(row, kTraceSlotEntry, kTraceSlotEntryNs);
 }
 

@@ -16,8 +16,9 @@
 //   items = num_tiles * num_kv_heads; splits = clamp(workspace_units / items, 1, kMaxSplits)
 // (a tile whose keys are too few for that many splits of kMinStepsPerSplit steps uses fewer). The grid is
 // persistent: CTA c runs units c, c + grid, ... A unit of an unsplit tile writes its rows to `out`; a split unit
-// writes its normalised partial rows and their log2-domain LSE to the workspace, then the last split of the tile
-// to finish (a counter per tile, reset by that split) merges them: out = sum_s w_s O_s / sum_s w_s with
+// writes its normalised partial rows and their log2-domain LSE to the workspace (partials [units][16][256], then
+// LSEs [16][units], so that a row's LSEs of consecutive splits sit side by side), then the last split of the
+// tile to finish (a counter per tile, reset by that split) merges them: out = sum_s w_s O_s / sum_s w_s with
 // w_s = exp2(lse_s - max lse).
 //
 // CTA = one warp (so 4 CTAs share an SM on H100/H200 and an SM never waits on a CTA-wide barrier). The warp
@@ -58,8 +59,12 @@ constexpr int kTileBytes = kRows * kRowBytes;  // 8 KiB: the Q tile, one step's 
 constexpr int kStages = PW_DECODE_STAGES;  // K/V steps a warp holds: kStages - 1 in flight while it computes one
 constexpr int kSmemBytes = (1 + 2 * kStages) * kTileBytes;  // Q | K[kStages] | V[kStages]: 56 KiB at 3 stages
 constexpr int kThreads = 32;
-constexpr int kMaxSplits = 64;        // splits of one tile's keys at most
-constexpr int kMinStepsPerSplit = 2;  // a split covers at least 32 keys (else the merge costs more than it saves)
+constexpr int kMaxSplits = 64;  // splits of one tile's keys at most
+#ifndef PW_DECODE_MIN_STEPS
+#define PW_DECODE_MIN_STEPS 2
+#endif
+// A split covers at least this many steps (2: 32 keys), else the merge costs more than the split saves.
+constexpr int kMinStepsPerSplit = PW_DECODE_MIN_STEPS;
 constexpr int kPartialFloats = kRows * kHeadDim;  // one unit's partial rows in the workspace
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLn2 = 0.69314718055994530942f;
@@ -137,13 +142,15 @@ __device__ __forceinline__ int launch_splits(const Params& p, int items) {
 }
 
 // Merge the `splits` (<= kMaxSplits) partials of workspace units [first, first + splits) into the tile's output
-// rows, with as many loads in flight at once as the registers allow: the merge is a chain of L2 round trips at
-// the end of the launch, so its length is counted in trips, not instructions.
-//   1. Every row's split LSEs at once (lanes s and s + 32 hold split s and s + 32 of each row: one trip); per row
-//      a warp-wide max and sum give each split's normalised weight w_s / sum w, kept in shared memory
-//      `weights [kRows][kMaxSplits]`, and the row's LSE.
-//   2. Rows kMergeRows at a time: each lane sums its 8 columns over the splits, kMergeUnroll splits' loads of
-//      every row of the group in flight at once.
+// rows. One warp reads every partial row from L2 at the end of the launch, and its time goes with the sectors it
+// asks for (the decode trace: about 0.9 us per batch of 8 splits x 2 rows when each load instruction touched
+// twice the sectors it used), so every load of the warp reads whole contiguous sectors:
+//   1. Every row's split LSEs at once (lanes s and s + 32 hold split s and s + 32 of each row, side by side in
+//      the LSE block: one trip); per row a warp-wide max and sum give each split's normalised weight
+//      w_s / sum w, kept in shared memory `weights [kRows][kMaxSplits]`, and the row's LSE.
+//   2. Rows kMergeRows at a time: each lane sums its 8 columns over the splits, 4 lane .. 4 lane + 3 and
+//      128 + 4 lane .. 128 + 4 lane + 3 (each of the warp's float4 loads reads 512 contiguous bytes of a row),
+//      kMergeUnroll splits' loads of every row of the group in flight at once.
 // The order of every sum is fixed, so the result does not depend on which split finished last.
 constexpr int kMergeRows = 2;    // rows whose columns are summed together (a decode token's rows at group 2)
 constexpr int kMergeUnroll = 8;  // splits whose loads a lane keeps in flight per row: 2 x 8 x 8 floats
@@ -156,10 +163,10 @@ __device__ __forceinline__ void merge_splits(const Params& p, const Tile& t, int
   float lse_a[kRows], lse_b[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
-    const float* row_lse = lse_base + static_cast<long long>(first) * kRows + r;
+    const float* row_lse = lse_base + static_cast<long long>(r) * p.workspace_units + first;
     const bool row = r < t.rows;
-    lse_a[r] = row && lane < splits ? __ldcg(row_lse + lane * kRows) : -INFINITY;
-    lse_b[r] = row && lane + 32 < splits ? __ldcg(row_lse + (lane + 32) * kRows) : -INFINITY;
+    lse_a[r] = row && lane < splits ? __ldcg(row_lse + lane) : -INFINITY;
+    lse_b[r] = row && lane + 32 < splits ? __ldcg(row_lse + lane + 32) : -INFINITY;
   }
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -194,13 +201,13 @@ __device__ __forceinline__ void merge_splits(const Params& p, const Tile& t, int
 #pragma unroll
       for (int j = 0; j < kMergeUnroll; ++j) {
         const int s = min(s0 + j, splits - 1);
-        const float* src_split = p.workspace + static_cast<long long>(first + s) * kPartialFloats + lane * 8;
+        const float* src_split = p.workspace + static_cast<long long>(first + s) * kPartialFloats + lane * 4;
 #pragma unroll
         for (int h = 0; h < kMergeRows; ++h) {
           const int r = min(r0 + h, t.rows - 1);
           const float w = s0 + j < splits ? weights[r * kMaxSplits + s] : 0.f;
           const float4* src = reinterpret_cast<const float4*>(src_split + r * kHeadDim);
-          const float4 a = __ldcg(src), b = __ldcg(src + 1);
+          const float4 a = __ldcg(src), b = __ldcg(src + 32);  // columns 4 lane + (0..3), 128 + 4 lane + (0..3)
           acc[h][0] += w * a.x, acc[h][1] += w * a.y, acc[h][2] += w * a.z, acc[h][3] += w * a.w;
           acc[h][4] += w * b.x, acc[h][5] += w * b.y, acc[h][6] += w * b.z, acc[h][7] += w * b.w;
         }
@@ -210,12 +217,11 @@ __device__ __forceinline__ void merge_splits(const Params& p, const Tile& t, int
 #pragma unroll
     for (int h = 0; h < kMergeRows; ++h) {
       if (r0 + h < t.rows) {
-        uint4 v;
-        v.x = pack_bf16x2(acc[h][0], acc[h][1]);
-        v.y = pack_bf16x2(acc[h][2], acc[h][3]);
-        v.z = pack_bf16x2(acc[h][4], acc[h][5]);
-        v.w = pack_bf16x2(acc[h][6], acc[h][7]);
-        *reinterpret_cast<uint4*>(p.out + row_offset(p, t, kv_head, r0 + h) + lane * 8) = v;
+        __nv_bfloat16* const dst = p.out + row_offset(p, t, kv_head, r0 + h) + lane * 4;
+        *reinterpret_cast<uint2*>(dst) =
+            make_uint2(pack_bf16x2(acc[h][0], acc[h][1]), pack_bf16x2(acc[h][2], acc[h][3]));
+        *reinterpret_cast<uint2*>(dst + 128) =
+            make_uint2(pack_bf16x2(acc[h][4], acc[h][5]), pack_bf16x2(acc[h][6], acc[h][7]));
       }
     }
   }
@@ -382,10 +388,9 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
       continue;
     }
 
-    // ---- a split: normalised partial rows and their log2-domain LSE to the workspace
+    // ---- a split: normalised partial rows and their log2-domain LSE to the workspace (row r's at [r][u])
     float* const part = p.workspace + static_cast<long long>(u) * kPartialFloats;
-    float* const part_lse =
-        p.workspace + static_cast<long long>(p.workspace_units) * kPartialFloats + static_cast<long long>(u) * kRows;
+    float* const part_lse = p.workspace + static_cast<long long>(p.workspace_units) * kPartialFloats + u;
 #pragma unroll
     for (int d = 0; d < 32; ++d) {
       if (g < t.rows)
@@ -396,8 +401,8 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
                make_float2(o[d][2] * inv1, o[d][3] * inv1));
     }
     if (c4 == 0) {
-      if (g < t.rows) __stcg(part_lse + g, softmax.lse_log2(0));
-      if (g + 8 < t.rows) __stcg(part_lse + g + 8, softmax.lse_log2(1));
+      if (g < t.rows) __stcg(part_lse + static_cast<long long>(g) * p.workspace_units, softmax.lse_log2(0));
+      if (g + 8 < t.rows) __stcg(part_lse + static_cast<long long>(g + 8) * p.workspace_units, softmax.lse_log2(1));
     }
     trace.clock(first, kSlotStored);
     // The counter: lane 0's release carries the whole warp's partial (ordered before it by __syncwarp) to the

@@ -346,7 +346,7 @@ def test_decode_kernel_splits_a_long_request_and_leaves_its_counters_zero(window
     torch.cuda.synchronize()
     assert torch.equal(again[:1], out[:1]), "the split merge is not deterministic"
     assert torch.equal(counters, torch.zeros_like(counters)), "a launch left a split counter set"
-    partial_lse = workspace[units * 16 * D :].view(units, 16)  # [units, 16 rows]: row r = head r (group 2, 8 heads)
+    partial_lse = workspace[units * 16 * D :].view(16, units).t()  # [units, 16 rows]: row r = head r (group 2)
     written = (~torch.isnan(partial_lse[:, :2])).all(dim=1).sum().item()  # units whose 2 live rows were written
     # 8 KV heads' tiles; 64 splits at most per tile, and at most one per 2 steps of 16 keys
     steps = 4376 if window_left < 0 else 65  # keys [0, 70001), or [68976, 70001) in 16-key steps
@@ -381,7 +381,7 @@ def test_decode_kernel_merges_the_splits_of_multi_row_tiles(geometry, window_lef
     torch.cuda.synchronize()
     assert torch.equal(again[:rows], out[:rows]) and torch.equal(again_lse[:rows], lse[:rows])
     assert torch.equal(counters, torch.zeros_like(counters)), "a launch left a split counter set"
-    partial_lse = workspace[units * 16 * D :].view(units, 16)  # [units, 16 rows]
+    partial_lse = workspace[units * 16 * D :].view(16, units).t()  # [units, 16 rows] (laid out row by row)
     written = (~torch.isnan(partial_lse)).any(dim=1).sum().item()
     assert written > case.plan.num_tiles * case.plan.num_kv_heads, "the tiles' keys were not split"
 

@@ -15,7 +15,6 @@ import argparse
 import collections
 import ctypes
 import json
-import os
 import sys
 
 import numpy as np
@@ -136,10 +135,9 @@ def main() -> int:
     parser.add_argument("workloads", nargs="+")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    # The flag joins the build's (read when the kernels are built, below); then the CUDA side is imported.
-    os.environ["PAGEDWINDOW_NVCC_FLAGS"] = " ".join(
-        filter(None, [os.environ.get("PAGEDWINDOW_NVCC_FLAGS"), TRACE_FLAG])
-    )
+    from trace_buffer import add_build_flag  # beside this script
+
+    add_build_flag(TRACE_FLAG)  # read when the kernels are built, below; then the CUDA side is imported
     import torch
     from profile_case import make_call  # beside this script
 

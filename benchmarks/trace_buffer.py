@@ -1,9 +1,16 @@
-"""Reading a measurement build's trace buffer out of the kernel library (``kernels/trace_readout.cuh``), for
-``wait_trace.py`` and ``decode_trace.py``."""
+"""A measurement build of the kernels and its trace buffer, for ``wait_trace.py`` and ``decode_trace.py``: the
+build's flag, and the buffer read out of the kernel library (``kernels/trace_readout.cuh``)."""
 
 import ctypes
+import os
 
 import numpy as np
+
+
+def add_build_flag(flag: str) -> None:
+    """Append ``flag`` to ``$PAGEDWINDOW_NVCC_FLAGS`` (kept as is otherwise), so that the kernels built after this
+    in the process are the trace build (its own kernel-cache entry). Call it before the CUDA side is imported."""
+    os.environ["PAGEDWINDOW_NVCC_FLAGS"] = " ".join(filter(None, [os.environ.get("PAGEDWINDOW_NVCC_FLAGS"), flag]))
 
 
 def read_buffer(lib: ctypes.CDLL, function: str, words: int, dtype: type) -> np.ndarray:

@@ -13,7 +13,6 @@ before the SM's next CTA starts.
 import argparse
 import ctypes
 import json
-import os
 import sys
 
 import numpy as np
@@ -208,10 +207,9 @@ def main() -> int:
     parser.add_argument("tile", nargs="?", default="default")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    # The flag joins the build's (read when the kernels are built, below); then the CUDA side is imported.
-    os.environ["PAGEDWINDOW_NVCC_FLAGS"] = " ".join(
-        filter(None, [os.environ.get("PAGEDWINDOW_NVCC_FLAGS"), TRACE_FLAG])
-    )
+    from trace_buffer import add_build_flag  # beside this script
+
+    add_build_flag(TRACE_FLAG)  # read when the kernels are built, below; then the CUDA side is imported
     import torch
     from profile_case import make_call  # beside this script
 

@@ -47,3 +47,15 @@ def test_a_build_without_the_trace_a_cuda_error_or_a_short_copy_exits(result):
     readout = FakeReadout(np.arange(4, dtype=np.uint32), result=result)
     with pytest.raises(SystemExit, match=f"pw_trace returned {result}: not a trace build, or a CUDA error"):
         trace_buffer.read_buffer(FakeLibrary(readout), "pw_trace", 4, np.uint32)
+
+
+@pytest.mark.parametrize("before", [None, "", "-DPW_DECODE_STAGES=4"])
+def test_the_trace_flag_joins_the_build_flags(monkeypatch, before):
+    monkeypatch.setenv("PAGEDWINDOW_NVCC_FLAGS", "")  # the variable as it was comes back after the test
+    if before is None:
+        monkeypatch.delenv("PAGEDWINDOW_NVCC_FLAGS", raising=False)
+    else:
+        monkeypatch.setenv("PAGEDWINDOW_NVCC_FLAGS", before)
+    trace_buffer.add_build_flag("-DPW_DECODE_TRACE=1")
+    expect = "-DPW_DECODE_TRACE=1" if not before else f"{before} -DPW_DECODE_TRACE=1"
+    assert trace_buffer.os.environ["PAGEDWINDOW_NVCC_FLAGS"] == expect

@@ -59,8 +59,15 @@ constexpr int kTileBytes = kRows * kRowBytes;  // 8 KiB: the Q tile, one step's 
 constexpr int kStages = PW_DECODE_STAGES;  // K/V steps a warp holds: kStages - 1 in flight while it computes one
 constexpr int kSmemBytes = (1 + 2 * kStages) * kTileBytes;  // Q | K[kStages] | V[kStages]: 56 KiB at 3 stages
 constexpr int kThreads = 32;
-constexpr int kMaxSplits = 64;        // splits of one tile's keys at most
-constexpr int kMinStepsPerSplit = 2;  // a split covers at least 32 keys (else the merge costs more than it saves)
+#ifndef PW_DECODE_MAX_SPLITS
+#define PW_DECODE_MAX_SPLITS 64
+#endif
+#ifndef PW_DECODE_MIN_STEPS_PER_SPLIT
+#define PW_DECODE_MIN_STEPS_PER_SPLIT 2
+#endif
+constexpr int kMaxSplits = PW_DECODE_MAX_SPLITS;  // splits of one tile's keys at most
+// A split covers at least this many steps (2: 32 keys; else the merge costs more than it saves).
+constexpr int kMinStepsPerSplit = PW_DECODE_MIN_STEPS_PER_SPLIT;
 constexpr int kPartialFloats = kRows * kHeadDim;  // one unit's partial rows in the workspace
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLn2 = 0.69314718055994530942f;

@@ -90,9 +90,14 @@ def test_the_policy_reads_the_decode_kernels_split_rule():
     def constant(name: str) -> int:
         return int(re.search(rf"constexpr int {name} = (\d+);", source).group(1))
 
-    assert constant("kMaxSplits") == tiles.SPLIT_KV_MAX_SPLITS
+    def macro_default(name: str) -> int:
+        return int(re.search(rf"#ifndef {name}\n#define {name} (\d+)\n#endif", source).group(1))
+
+    assert "constexpr int kMaxSplits = PW_DECODE_MAX_SPLITS;" in source
+    assert "constexpr int kMinStepsPerSplit = PW_DECODE_MIN_STEPS_PER_SPLIT;" in source
+    assert macro_default("PW_DECODE_MAX_SPLITS") == tiles.SPLIT_KV_MAX_SPLITS
     assert constant("kRows") == tiles.SPLIT_KV_TILE
-    assert 2 * constant("kMinStepsPerSplit") * constant("kSteps") == tiles.SPLIT_MIN_KEYS
+    assert 2 * macro_default("PW_DECODE_MIN_STEPS_PER_SPLIT") * constant("kSteps") == tiles.SPLIT_MIN_KEYS
 
 
 def test_tile_constants_are_shared():

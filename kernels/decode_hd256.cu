@@ -69,6 +69,9 @@ constexpr int kMaxSplits = PW_DECODE_MAX_SPLITS;  // splits of one tile's keys a
 // A split covers at least this many steps (2: 32 keys; else the merge costs more than it saves).
 constexpr int kMinStepsPerSplit = PW_DECODE_MIN_STEPS_PER_SPLIT;
 constexpr int kPartialFloats = kRows * kHeadDim;  // one unit's partial rows in the workspace
+constexpr int kWeightSlots = 2 * 32;              // a row's merge weights in shared memory: two splits per lane
+static_assert(kMaxSplits >= 1 && kMaxSplits <= kWeightSlots, "splits of a tile: 1 .. two per lane");
+static_assert(kMinStepsPerSplit >= 1, "a split covers at least one step");
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLn2 = 0.69314718055994530942f;
 
@@ -150,7 +153,7 @@ __device__ __forceinline__ int launch_splits(const Params& p, int items) {
 // twice the sectors it used), so every load of the warp reads whole contiguous sectors:
 //   1. Every row's split LSEs at once (lanes s and s + 32 hold split s and s + 32 of each row, side by side in
 //      the LSE block: one trip); per row a warp-wide max and sum give each split's normalised weight
-//      w_s / sum w, kept in shared memory `weights [kRows][kMaxSplits]`, and the row's LSE.
+//      w_s / sum w, kept in shared memory `weights [kRows][kWeightSlots]`, and the row's LSE.
 //   2. Rows kMergeRows at a time: each lane sums its 8 columns over the splits, 4 lane .. 4 lane + 3 and
 //      128 + 4 lane .. 128 + 4 lane + 3 (each of the warp's float4 loads reads 512 contiguous bytes of a row),
 //      kMergeUnroll splits' loads of every row of the group in flight at once.
@@ -160,8 +163,7 @@ constexpr int kMergeUnroll = 8;  // splits whose loads a lane keeps in flight pe
 
 __device__ __forceinline__ void merge_splits(const Params& p, const Tile& t, int kv_head, int first, int splits,
                                              float* weights, int lane, DecodeTrace& trace, bool traced) {
-  static_assert(kMaxSplits <= 64, "two splits per lane");
-  static_assert(kRows * kMaxSplits * sizeof(float) <= kStages * kTileBytes, "the weights fit the K stages");
+  static_assert(kRows * kWeightSlots * sizeof(float) <= kStages * kTileBytes, "the weights fit the K stages");
   const float* lse_base = p.workspace + static_cast<long long>(p.workspace_units) * kPartialFloats;
   float lse_a[kRows], lse_b[kRows];
 #pragma unroll
@@ -184,8 +186,8 @@ __device__ __forceinline__ void merge_splits(const Params& p, const Tile& t, int
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(kFullMask, total, o);
     const float inv = total > 0.f ? 1.f / total : 0.f;
-    weights[r * kMaxSplits + lane] = w_a * inv;
-    weights[r * kMaxSplits + lane + 32] = w_b * inv;
+    weights[r * kWeightSlots + lane] = w_a * inv;
+    weights[r * kWeightSlots + lane + 32] = w_b * inv;
     if (p.lse != nullptr && lane == 0)
       p.lse[row_offset(p, t, kv_head, r) / kHeadDim] = total > 0.f ? (mx + __log2f(total)) * kLn2 : -INFINITY;
   }
@@ -208,7 +210,7 @@ __device__ __forceinline__ void merge_splits(const Params& p, const Tile& t, int
 #pragma unroll
         for (int h = 0; h < kMergeRows; ++h) {
           const int r = min(r0 + h, t.rows - 1);
-          const float w = s0 + j < splits ? weights[r * kMaxSplits + s] : 0.f;
+          const float w = s0 + j < splits ? weights[r * kWeightSlots + s] : 0.f;
           const float4* src = reinterpret_cast<const float4*>(src_split + r * kHeadDim);
           const float4 a = __ldcg(src), b = __ldcg(src + 32);  // columns 4 lane + (0..3), 128 + 4 lane + (0..3)
           acc[h][0] += w * a.x, acc[h][1] += w * a.y, acc[h][2] += w * a.z, acc[h][3] += w * a.w;

@@ -1,9 +1,7 @@
 """PrefillPagedPlan: every construction rule fails with a named value; invariants hold on random batches."""
 
 import json
-import re
 import warnings
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +14,7 @@ from pagedwindow import tiles
 from pagedwindow.plan import SUPPORTED_CTA_TILE_Q, PlanArrays, PlanCapacity
 
 from . import host_pass
+from .kernel_source import DECODE_SOURCE, decode_constant, decode_macro_default
 
 
 @pytest.fixture(autouse=True, scope="module", params=host_pass.PASSES)
@@ -85,19 +84,12 @@ def test_one_tile_requests_are_listed_longest_first_and_ties_keep_request_order(
 
 def test_the_policy_reads_the_decode_kernels_split_rule():
     """The policy predicts the decode kernel's splits from constants that mirror ``kernels/decode_hd256.cu``."""
-    source = (Path(__file__).resolve().parents[1] / "kernels" / "decode_hd256.cu").read_text()
-
-    def constant(name: str) -> int:
-        return int(re.search(rf"constexpr int {name} = (\d+);", source).group(1))
-
-    def macro_default(name: str) -> int:
-        return int(re.search(rf"#ifndef {name}\n#define {name} (\d+)\n#endif", source).group(1))
-
+    source = DECODE_SOURCE.read_text()
     assert "constexpr int kMaxSplits = PW_DECODE_MAX_SPLITS;" in source
     assert "constexpr int kMinStepsPerSplit = PW_DECODE_MIN_STEPS_PER_SPLIT;" in source
-    assert macro_default("PW_DECODE_MAX_SPLITS") == tiles.SPLIT_KV_MAX_SPLITS
-    assert constant("kRows") == tiles.SPLIT_KV_TILE
-    assert 2 * macro_default("PW_DECODE_MIN_STEPS_PER_SPLIT") * constant("kSteps") == tiles.SPLIT_MIN_KEYS
+    assert decode_macro_default("PW_DECODE_MAX_SPLITS") == tiles.SPLIT_KV_MAX_SPLITS
+    assert decode_constant("kRows") == tiles.SPLIT_KV_TILE
+    assert 2 * decode_macro_default("PW_DECODE_MIN_STEPS_PER_SPLIT") * decode_constant("kSteps") == tiles.SPLIT_MIN_KEYS
 
 
 def test_tile_constants_are_shared():

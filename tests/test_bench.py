@@ -448,11 +448,75 @@ def test_results_reader_checks_the_new_times(tmp_path, field):
 def test_bench_refuses_without_a_gpu(capsys):
     assert bench.run_bench(out="unused") == 2
     assert "needs a CUDA GPU" in capsys.readouterr().out
+    # Sweep points by name, on the grid and off it, get as far as the GPU check.
+    names = ["decode_b1_kv4096_w1023", "decode_b4_kv4096_w1023", "sweep_page_x_shape_b2_n512_c30015_p16_w-1"]
+    assert bench.run_bench(out="unused", workloads=names, systems=["pagedwindow", "flashinfer_fa2"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+
+
+def test_every_sweep_point_is_found_by_its_name():
+    for sweep_slice in bench_sweep.sweep_slices():
+        for point in sweep_slice.points:
+            assert bench_sweep.point_named(point.name) == point
+            assert bench.workload_named(point.name) == bench.sweep_workload(point)
+    assert bench.workload_named("prefill_1x8192") is bench.WORKLOADS["prefill_1x8192"]
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [
+        # batch, new tokens, cached, page size, window: off the grids, named as the sweep's points are
+        ("decode_b4_kv4096_w1023", (4, 1, 4095, 16, 1023)),
+        ("decode_b2_kv1_w-1", (2, 1, 0, 16, -1)),
+        ("sweep_decode_b8_n1_c4095_p16_w1023", (8, 1, 4095, 16, 1023)),
+        ("sweep_page_x_shape_b2_n512_c30015_p16_w-1", (2, 512, 30015, 16, -1)),
+        ("sweep_batch_x_new_b3_n7_c0_p1_w0", (3, 7, 0, 1, 0)),
+    ],
+)
+def test_points_off_the_grids_are_found_by_their_names(name, shape):
+    point = bench_sweep.point_named(name)
+    assert (point.batch, point.new_tokens, point.cached, point.page_size, point.window_left) == shape
+    workload = bench.workload_named(name)
+    assert workload.seq_lens == (shape[1],) * shape[0] and workload.start_positions == (shape[2],) * shape[0]
+    assert (workload.page_size, workload.window_left) == shape[3:]
+    assert bench_sweep.point_named(point.name) == point  # its own name gives it back
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "nope",
+        "decode_b0_kv4096_w1023",  # no request
+        "decode_b1_kv0_w1023",  # no key
+        "decode_b1_kv4096_w-2",  # window below -1
+        "decode_b1_kv4096_w1023x",
+        "sweep_decode_b4_n2_c100_p16_w1023",  # a decode name could not say its 2 new tokens
+        "sweep_decode_b4_n1_c100_p32_w1023",  # nor its page size
+        "sweep_batch_x_new_b0_n1_c0_p16_w1023",
+        "sweep_batch_x_new_b1_n0_c0_p16_w1023",
+        "sweep_batch_x_new_b1_n1_c0_p0_w1023",
+        "sweep_batch_x_new_b1_n1_c0_p16_w-5",
+        "sweep_batch_x_new_b2_n131072_c0_p16_w1023",  # past MAX_SWEEP_TOKENS
+        "sweep_cached_x_new_b1_n1_c2097152_p16_w1023",  # past MAX_SWEEP_KEYS
+        "sweep_b1_n1_c0_p16_w1023",
+        "SWEEP_batch_x_new_b1_n1_c0_p16_w1023",
+    ],
+)
+def test_names_of_no_point_are_refused(name):
+    assert bench_sweep.point_named(name) is None
+    assert bench.workload_named(name) is None
 
 
 def test_bench_refuses_unknown_names(capsys):
     assert bench.run_bench(out="unused", workloads=["prefill_1x8192", "nope"]) == 2
     assert "unknown workload or system ['nope']" in capsys.readouterr().out
+    bad = ["decode_b0_kv5_w1023", "sweep_decode_b4_n2_c100_p16_w1023"]
+    assert bench.run_bench(out="unused", workloads=["decode_b4_kv4096_w1023", *bad]) == 2
+    assert f"unknown workload or system {bad}" in capsys.readouterr().out
+    # Two names of one point are one workload named twice.
+    same = ["decode_b4_kv4096_w1023", "sweep_decode_b4_n1_c4095_p16_w1023"]
+    assert bench.run_bench(out="unused", workloads=same) == 2
+    assert "['decode_b4_kv4096_w1023'] named more than once" in capsys.readouterr().out
     assert bench.run_bench(out="unused", workloads=["prefill_1x8192", "prefill_1x8192"], systems=["sdpa"]) == 2
     assert "['prefill_1x8192'] named more than once" in capsys.readouterr().out
     assert bench.run_bench(out="unused", systems=["sdpa", "flex", "sdpa"]) == 2

@@ -34,7 +34,7 @@ import torch
 
 import pagedwindow as pw
 
-from .bench_sweep import SweepPoint, SweepSlice, slower_points, sweep_slices, sweep_summary
+from .bench_sweep import SweepPoint, SweepSlice, point_named, slower_points, sweep_slices, sweep_summary
 from .measure.bench_results import FLASHINFER_SYSTEMS, SYSTEMS, flashinfer_ratios
 from .semantics import key_visible
 from .testing import pages_in_turn, random_pages
@@ -114,6 +114,15 @@ def sweep_workload(point: SweepPoint) -> Workload:
         point.window_left,
         point.page_size,
     )
+
+
+def workload_named(name: str) -> Workload | None:
+    """The workload called ``name``: one of ``WORKLOADS``, else a sweep point's (:func:`bench_sweep.point_named`:
+    the sweep's names, or a point off its grids named as its points are); None for any other name."""
+    if name in WORKLOADS:
+        return WORKLOADS[name]
+    point = point_named(name)
+    return None if point is None else sweep_workload(point)
 
 
 def sweep_workloads(slices: list[SweepSlice]) -> list[Workload]:
@@ -566,14 +575,16 @@ def run_bench(
 
     ``cta_tile_q`` overrides the plans' tile (all systems see the same batch; only pagedwindow reads the tile).
     """
-    unknown = [n for n in workloads or () if n not in WORKLOADS] + [s for s in systems or () if s not in MAKERS]
+    named = [(n, workload_named(n)) for n in workloads or ()]
+    unknown = [n for n, w in named if w is None] + [s for s in systems or () if s not in MAKERS]
     if unknown:
         print(
-            f"pagedwindow bench: unknown workload or system {unknown}; workloads {list(WORKLOADS)}, "
-            f"systems {list(MAKERS)}"
+            f"pagedwindow bench: unknown workload or system {unknown}; workloads {list(WORKLOADS)} or a sweep "
+            "point's name (decode_b<batch>_kv<keys>_w<window>, sweep_<slice>_b<batch>_n<new>_c<cached>_p<page>_w"
+            f"<window>), systems {list(MAKERS)}"
         )
         return 2
-    twice = named_twice(workloads, systems)
+    twice = named_twice([w.name for _, w in named], systems)
     if twice:
         print(f"pagedwindow bench: {twice} named more than once (each is timed once)")
         return 2
@@ -581,7 +592,7 @@ def run_bench(
         print("pagedwindow bench needs a CUDA GPU; none is available.")
         return 2
     device = torch.device("cuda")
-    chosen = [WORKLOADS[n] for n in (workloads or (() if sweep or decode_sweep else WORKLOADS))]
+    chosen = [w for _, w in named] if workloads else [] if sweep or decode_sweep else list(WORKLOADS.values())
     slices = sweep_slices(decode_only=not sweep) if sweep or decode_sweep else []
     chosen += sweep_workloads(slices)
     systems = list(systems or SYSTEMS)

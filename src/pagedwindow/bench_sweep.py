@@ -11,6 +11,7 @@ and fa3) over ours: below 1 we are slower there.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from .measure.bench_results import FLASHINFER_SYSTEMS
@@ -141,6 +142,36 @@ def sweep_slices(*, decode_only: bool = False) -> list[SweepSlice]:
         _grid("page_x_shape", "page_size", "shape", (1, 16, 32, 64, 128), tuple(PAGE_SHAPES), _page_point),
         *decode,
     ]
+
+
+_OFF_GRID_NAME = re.compile(r"sweep_([a-z_]+?)_b(\d+)_n(\d+)_c(\d+)_p(\d+)_w(-?\d+)")
+_DECODE_NAME = re.compile(r"decode_b(\d+)_kv(\d+)_w(-?\d+)")
+
+
+def point_named(name: str) -> SweepPoint | None:
+    """The sweep point called ``name``: one of :func:`sweep_slices`' points, or a point off their grids named as
+    theirs are, ``sweep_<slice>_b<batch>_n<new>_c<cached>_p<page size>_w<window>`` or, one new token per request
+    on ``kv - 1`` cached keys at page 16, ``decode_b<batch>_kv<kv>_w<window>`` (a ``sweep_decode…`` name of such a
+    point gives the point, whose own name is the latter). None for any other name, for a ``sweep_decode…`` name
+    of another shape (the decode names could not say it), and for a named point out of bounds (no request, no new
+    token, no key, page size 0, window below -1, or more than ``MAX_SWEEP_TOKENS`` / ``MAX_SWEEP_KEYS``)."""
+    for sweep_slice in sweep_slices():
+        for point in sweep_slice.points:
+            if point.name == name:
+                return point
+    if match := _OFF_GRID_NAME.fullmatch(name):
+        batch, new, cached, page_size, window = (int(match.group(i)) for i in range(2, 7))
+        name_slice = f"decode_w{window}" if match.group(1).startswith("decode") else match.group(1)
+        point = SweepPoint(name_slice, batch, new, cached, page_size, window)
+    elif match := _DECODE_NAME.fullmatch(name):
+        batch, kv, window = (int(g) for g in match.groups())
+        point = SweepPoint(f"decode_w{window}", batch, 1, kv - 1, window_left=window)
+    else:
+        return None
+    in_bounds = min(point.batch, point.new_tokens, point.page_size) >= 1 and point.cached >= 0
+    # A decode slice's point is named by batch, keys and window alone: one new token at page 16, or it has no name.
+    named = not point.slice.startswith("decode") or (point.new_tokens, point.page_size) == (1, BASE_PAGE_SIZE)
+    return point if in_bounds and named and point.window_left >= -1 and point.fits() else None
 
 
 def sweep_summary(records: list[dict], slices: list[SweepSlice]) -> list[dict]:

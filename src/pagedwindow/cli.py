@@ -48,7 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--out", default="benchmarks/results", help="directory for <gpu>-<date>[-label].json, its table and plots"
     )
-    bench.add_argument("--workloads", nargs="*", default=None, help="workload names (default: all)")
+    bench.add_argument(
+        "--workloads",
+        nargs="*",
+        default=None,
+        help="workload names (default: all): the bench's, or sweep points' as the sweep names them "
+        "(decode_b1_kv4096_w1023; sweep_<slice>_b<batch>_n<new>_c<cached>_p<page>_w<window>), on its grids or off",
+    )
     bench.add_argument("--systems", nargs="*", default=None, help="systems to time (default: all)")
     bench.add_argument(
         "--sweep",

@@ -62,8 +62,8 @@ def test_attention_workloads_are_bench_workloads_or_sweep_points(monkeypatch):
     assert attention_workload("prefill_1x8192") is bench.WORKLOADS["prefill_1x8192"]
     point = attention_workload("decode_b1_kv4096_w1023")
     assert (point.seq_lens, point.start_positions, point.window_left) == ((1,), (4095,), 1023)
-    with pytest.raises(ValueError, match="'decode_b1_kv5_w1023' is neither a bench workload nor a sweep point"):
-        attention_workload("decode_b1_kv5_w1023")
+    with pytest.raises(ValueError, match="'decode_b0_kv5_w1023' is neither a bench workload nor a sweep point"):
+        attention_workload("decode_b0_kv5_w1023")
     # A point off the sweep's grid, named as its points are: a request whose keys end 15 rows into a page.
     off_grid = attention_workload("sweep_page_x_shape_b2_n512_c30015_p16_w-1")
     assert off_grid.name == "sweep_page_x_shape_b2_n512_c30015_p16_w-1"

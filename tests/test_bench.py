@@ -463,23 +463,25 @@ def test_every_sweep_point_is_found_by_its_name():
 
 
 @pytest.mark.parametrize(
-    "name, shape",
+    "name, shape, canonical",
     [
-        # batch, new tokens, cached, page size, window: off the grids, named as the sweep's points are
-        ("decode_b4_kv4096_w1023", (4, 1, 4095, 16, 1023)),
-        ("decode_b2_kv1_w-1", (2, 1, 0, 16, -1)),
-        ("sweep_decode_b8_n1_c4095_p16_w1023", (8, 1, 4095, 16, 1023)),
-        ("sweep_page_x_shape_b2_n512_c30015_p16_w-1", (2, 512, 30015, 16, -1)),
-        ("sweep_batch_x_new_b3_n7_c0_p1_w0", (3, 7, 0, 1, 0)),
+        # batch, new tokens, cached, page size, window: off the grids, named as the sweep's points are; the
+        # point's own name where it differs
+        ("decode_b4_kv4096_w1023", (4, 1, 4095, 16, 1023), None),
+        ("decode_b2_kv1_w-1", (2, 1, 0, 16, -1), None),
+        ("sweep_decode_b8_n1_c4095_p16_w1023", (8, 1, 4095, 16, 1023), "decode_b8_kv4096_w1023"),
+        ("sweep_page_x_shape_b2_n512_c30015_p16_w-1", (2, 512, 30015, 16, -1), None),
+        ("sweep_batch_x_new_b3_n7_c0_p1_w0", (3, 7, 0, 1, 0), None),
     ],
 )
-def test_points_off_the_grids_are_found_by_their_names(name, shape):
+def test_points_off_the_grids_are_found_by_their_names(name, shape, canonical):
     point = bench_sweep.point_named(name)
     assert (point.batch, point.new_tokens, point.cached, point.page_size, point.window_left) == shape
     workload = bench.workload_named(name)
     assert workload.seq_lens == (shape[1],) * shape[0] and workload.start_positions == (shape[2],) * shape[0]
     assert (workload.page_size, workload.window_left) == shape[3:]
     assert bench_sweep.point_named(point.name) == point  # its own name gives it back
+    assert workload.name == point.name == (canonical or name)
 
 
 @pytest.mark.parametrize(

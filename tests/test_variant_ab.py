@@ -53,25 +53,19 @@ def test_a_variant_process_gets_its_flags_and_its_package_first(tmp_path):
     assert "PYTHONPATH" not in variant_ab.variant_env({}, {"flags": "", "src": None})
 
 
-def test_attention_workloads_are_bench_workloads_or_sweep_points(monkeypatch):
+def test_attention_workloads_are_the_packages_named_workloads(monkeypatch):
+    """The scripts' names are the bench's (``bench.workload_named``, tested in test_bench.py); a name of no
+    workload raises."""
     from pagedwindow import bench
 
     monkeypatch.syspath_prepend(str(_SCRIPT.parent))  # variant_ab imports workload_names from beside it
     from workload_names import attention_workload
 
     assert attention_workload("prefill_1x8192") is bench.WORKLOADS["prefill_1x8192"]
-    point = attention_workload("decode_b1_kv4096_w1023")
-    assert (point.seq_lens, point.start_positions, point.window_left) == ((1,), (4095,), 1023)
+    for name in ("decode_b1_kv4096_w1023", "sweep_page_x_shape_b2_n512_c30015_p16_w-1"):
+        assert attention_workload(name) == bench.workload_named(name)
     with pytest.raises(ValueError, match="'decode_b0_kv5_w1023' is neither a bench workload nor a sweep point"):
         attention_workload("decode_b0_kv5_w1023")
-    # A point off the sweep's grid, named as its points are: a request whose keys end 15 rows into a page.
-    off_grid = attention_workload("sweep_page_x_shape_b2_n512_c30015_p16_w-1")
-    assert off_grid.name == "sweep_page_x_shape_b2_n512_c30015_p16_w-1"
-    assert (off_grid.seq_lens, off_grid.start_positions) == ((512, 512), (30015, 30015))
-    assert (off_grid.window_left, off_grid.page_size) == (-1, 16)
-    for bad in ("sweep_page_x_shape_b0_n512_c0_p16_w1023", "sweep_page_x_shape_b1_n512_c0_p0_w1023", "sweep_b1"):
-        with pytest.raises(ValueError, match="neither a bench workload nor a sweep point"):
-            attention_workload(bad)
 
 
 def test_the_table_gives_each_variants_median_its_rounds_range_and_its_ratio_to_the_first():

@@ -131,6 +131,20 @@ def test_bench_names_tile_and_gpu(tmp_path, capsys, no_gpu):
     assert not Path(out).exists()
 
 
+def test_bench_takes_sweep_points_by_name(tmp_path, capsys, no_gpu):
+    """A sweep point's name passes the name check (the GPU check refuses next); a malformed one does not, nor
+    does a sweep name under --prep."""
+    out = str(tmp_path / "results")
+    names = ["decode_b1_kv4096_w1023", "sweep_decode_b4_n1_c4095_p16_w1023", "prefill_1x8192"]
+    assert "CUDA GPU" in _usage_error(capsys, ["bench", "--out", out, "--workloads", *names])
+    for bad in ("decode_b1_kv4096", "decode_b0_kv4096_w1023", "sweep_decode_b4_n1_c4095_p16"):
+        err = _usage_error(capsys, ["bench", "--out", out, "--workloads", bad])
+        assert f"unknown workload(s) ['{bad}']" in err and "decode_b<batch>_kv<keys>_w<window>" in err
+    err = _usage_error(capsys, ["bench", "--prep", "--out", out, "--workloads", "decode_b1_kv4096_w1023"])
+    assert "unknown workload(s)" in err and "prep_8192" in err
+    assert not Path(out).exists()
+
+
 @pytest.mark.parametrize("label", ["../x", "a/b", "sp ace"])
 def test_variant_labels_are_file_names(label):
     declared = {"01_a": {"x", "out_dir"}}

@@ -119,14 +119,22 @@ def bench(args: argparse.Namespace) -> int:
         check_name("--label", args.label)
     import torch
 
-    from .bench import MAKERS, WORKLOADS, run_bench
+    from .bench import MAKERS, WORKLOADS, run_bench, workload_named
     from .tiles import SUPPORTED_CTA_TILE_Q
 
-    workloads, systems = WORKLOADS, MAKERS
+    # the bench's workloads, or sweep points by name (decode_b1_kv4096_w1023): what run_bench accepts
+    unknown_workloads = [n for n in args.workloads or () if workload_named(n) is None]
+    workloads = [
+        *WORKLOADS,
+        "decode_b<batch>_kv<keys>_w<window>",
+        "sweep_<slice>_b<batch>_n<new>_c<cached>_p<page>_w<window>",
+    ]
+    systems = MAKERS
     if args.prep:
         from .bench_prep import PREP_MAKERS, PREP_WORKLOADS
 
         workloads, systems = PREP_WORKLOADS, PREP_MAKERS
+        unknown_workloads = [n for n in args.workloads or () if n not in PREP_WORKLOADS]
         given_flags = (
             ("--sweep", args.sweep),
             ("--decode-sweep", args.decode_sweep),
@@ -136,8 +144,8 @@ def bench(args: argparse.Namespace) -> int:
         if refused:
             print(f"pagedwindow bench: {' and '.join(refused)} cannot be used with --prep", file=sys.stderr)
             return EXIT_USAGE
-    for what, given, known in (("workload", args.workloads, workloads), ("system", args.systems, systems)):
-        unknown = [n for n in given or () if n not in known]
+    unknown_systems = [n for n in args.systems or () if n not in systems]
+    for what, unknown, known in (("workload", unknown_workloads, workloads), ("system", unknown_systems, systems)):
         if unknown:
             print(f"pagedwindow bench: unknown {what}(s) {unknown}; known: {', '.join(known)}", file=sys.stderr)
             return EXIT_USAGE

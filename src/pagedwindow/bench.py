@@ -34,7 +34,15 @@ import torch
 
 import pagedwindow as pw
 
-from .bench_sweep import SweepPoint, SweepSlice, point_named, slower_points, sweep_slices, sweep_summary
+from .bench_sweep import (
+    POINT_NAME_FORMS,
+    SweepPoint,
+    SweepSlice,
+    point_named,
+    slower_points,
+    sweep_slices,
+    sweep_summary,
+)
 from .measure.bench_results import FLASHINFER_SYSTEMS, SYSTEMS, flashinfer_ratios
 from .semantics import key_visible
 from .testing import pages_in_turn, random_pages
@@ -580,8 +588,7 @@ def run_bench(
     if unknown:
         print(
             f"pagedwindow bench: unknown workload or system {unknown}; workloads {list(WORKLOADS)} or a sweep "
-            "point's name (decode_b<batch>_kv<keys>_w<window>, sweep_<slice>_b<batch>_n<new>_c<cached>_p<page>_w"
-            f"<window>), systems {list(MAKERS)}"
+            f"point's name ({', '.join(POINT_NAME_FORMS)}), systems {list(MAKERS)}"
         )
         return 2
     twice = named_twice([w.name for _, w in named], systems)

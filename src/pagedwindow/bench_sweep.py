@@ -144,6 +144,8 @@ def sweep_slices(*, decode_only: bool = False) -> list[SweepSlice]:
     ]
 
 
+POINT_NAME_FORMS = ("decode_b<batch>_kv<keys>_w<window>", "sweep_<slice>_b<batch>_n<new>_c<cached>_p<page>_w<window>")
+"""The forms of the names :func:`point_named` takes, for messages that list them."""
 _OFF_GRID_NAME = re.compile(r"sweep_([a-z_]+?)_b(\d+)_n(\d+)_c(\d+)_p(\d+)_w(-?\d+)")
 _DECODE_NAME = re.compile(r"decode_b(\d+)_kv(\d+)_w(-?\d+)")
 

@@ -120,16 +120,9 @@ def bench(args: argparse.Namespace) -> int:
     import torch
 
     from .bench import MAKERS, WORKLOADS, run_bench, workload_named
+    from .bench_sweep import POINT_NAME_FORMS
     from .tiles import SUPPORTED_CTA_TILE_Q
 
-    # the bench's workloads, or sweep points by name (decode_b1_kv4096_w1023): what run_bench accepts
-    unknown_workloads = [n for n in args.workloads or () if workload_named(n) is None]
-    workloads = [
-        *WORKLOADS,
-        "decode_b<batch>_kv<keys>_w<window>",
-        "sweep_<slice>_b<batch>_n<new>_c<cached>_p<page>_w<window>",
-    ]
-    systems = MAKERS
     if args.prep:
         from .bench_prep import PREP_MAKERS, PREP_WORKLOADS
 
@@ -144,6 +137,9 @@ def bench(args: argparse.Namespace) -> int:
         if refused:
             print(f"pagedwindow bench: {' and '.join(refused)} cannot be used with --prep", file=sys.stderr)
             return EXIT_USAGE
+    else:  # the bench's workloads, or sweep points by name (decode_b1_kv4096_w1023): what run_bench accepts
+        workloads, systems = [*WORKLOADS, *POINT_NAME_FORMS], MAKERS
+        unknown_workloads = [n for n in args.workloads or () if workload_named(n) is None]
     unknown_systems = [n for n in args.systems or () if n not in systems]
     for what, unknown, known in (("workload", unknown_workloads, workloads), ("system", unknown_systems, systems)):
         if unknown:

@@ -35,8 +35,9 @@
 #include <atomic>
 #include <type_traits>
 
-#include "ptx_common.cuh"  // cp.async, the mbarrier operations sm_80 has
-#include "sm90_ptx.cuh"    // PW_SM90_DEVICE_CODE: bulk copies, transaction counts, the watchdog wait
+#include "prepare_launch.cuh"  // PwPrepareLaunch, the launch block (also read by launch_gate.cpp)
+#include "ptx_common.cuh"      // cp.async, the mbarrier operations sm_80 has
+#include "sm90_ptx.cuh"        // PW_SM90_DEVICE_CODE: bulk copies, transaction counts, the watchdog wait
 
 enum PwPrepareStatus {
   PW_PREPARE_OK = 0,
@@ -63,7 +64,6 @@ constexpr int kStageBytes = 16384;  // one unit's head rows (a Gemma 4 local tok
 #define PW_PREPARE_STAGES 3
 #endif
 constexpr int kStages = PW_PREPARE_STAGES;  // units a CTA holds: the one computed and up to kStages - 1 landing
-constexpr int kMaxHalf = 256;               // inverse frequencies carried in the launch block: head_dim up to 512
 constexpr int kPartnerLaneXor = 16;         // lane l holds the rotation partner of lane l ^ 16
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr double kInvPi = 0.318309886183790671537767526745;  // 1 / pi
@@ -595,37 +595,6 @@ static int launch_for_head_dim(const Params& p, int head_dim, const float* inv_f
 }
 
 }  // namespace pw_prepare
-
-// The launch parameter block (mirrored by a ctypes.Structure in src/pagedwindow/cuda/ops.py; the host checks
-// sizeof against pw_prepare_launch_size()). Pointers are device addresses; offsets and strides in elements.
-struct PwPrepareLaunch {
-  const void* q;         // [rows, num_qo_heads, head_dim], the projection before the norm
-  const void* k;         // [rows, num_kv_heads, head_dim]
-  const void* v;         // [rows, num_kv_heads, head_dim]
-  void* q_out;           // [rows, num_qo_heads, head_dim], the normed, rotated q
-  void* pool;            // the paged KV pool (same dtype)
-  const void* q_weight;  // [head_dim], the tensors' dtype or fp32
-  const void* k_weight;  // [head_dim]
-  long long k_offset;
-  long long v_offset;
-  long long page_stride;
-  const int* page_indices;  // plan arrays (int32, device)
-  const int* page_indptr;
-  const int* last_page_len;
-  const int* qo_indptr;
-  const int* plan_scalars;  // {batch_size, total_tokens, num_tiles}
-  int page_size;
-  int num_qo_heads;
-  int num_kv_heads;
-  int head_dim;        // 64, 128, 256 or 512
-  int dtype;           // 0 bf16, 1 fp16, 2 fp32
-  int weight_fp32;     // 1: the norm weights are fp32; 0: the tensors' dtype
-  int norm_style;      // 0 gemma4, 1 gemma3
-  int batch_capacity;  // the plan's capacities (the live sizes are read from plan_scalars)
-  int token_capacity;
-  float eps;
-  float inv_freq[pw_prepare::kMaxHalf];  // RoPE's inverse frequencies; the first head_dim / 2 are read
-};
 
 // Validate `a`, then launch on `stream`. Returns 0, a negative status (nothing launched) or a cudaError_t.
 extern "C" int pw_prepare_qkv(const PwPrepareLaunch* a, void* stream) {

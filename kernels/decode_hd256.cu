@@ -17,9 +17,10 @@
 // (a tile whose keys are too few for that many splits of kMinStepsPerSplit steps uses fewer). The grid is
 // persistent: CTA c runs units c, c + grid, ... A unit of an unsplit tile writes its rows to `out`; a split unit
 // writes its normalised partial rows and their log2-domain LSE to the workspace (partials [units][16][256], then
-// LSEs [16][units], so that a row's LSEs of consecutive splits sit side by side), then the last split of the
-// tile to finish (a counter per tile, reset by that split) merges them: out = sum_s w_s O_s / sum_s w_s with
-// w_s = exp2(lse_s - max lse).
+// LSEs [16][units], so that a row's LSEs of consecutive splits sit side by side), and the tile's splits are merged
+// as out = sum_s w_s O_s / sum_s w_s with w_s = exp2(lse_s - max lse): a tile of at most kGridMergeMaxSplits
+// splits by the last of them to finish (a counter per tile, reset by that split; merge_splits), a tile of more by
+// pw_decode_merge_kernel, a grid the launch runs after this one when the plan's capacity allows such tiles.
 //
 // CTA = one warp (so 4 CTAs share an SM on H100/H200 and an SM never waits on a CTA-wide barrier). The warp
 // owns the tile's 16 packed rows (row r = token r / group, head-in-group r % group; rows past the tile's are zero
@@ -72,6 +73,11 @@ constexpr int kPartialFloats = kRows * kHeadDim;  // one unit's partial rows in 
 constexpr int kWeightSlots = 2 * 32;              // a row's merge weights in shared memory: two splits per lane
 static_assert(kMaxSplits >= 1 && kMaxSplits <= kWeightSlots, "splits of a tile: 1 .. two per lane");
 static_assert(kMinStepsPerSplit >= 1, "a split covers at least one step");
+// A tile of at most this many splits is merged inside the decode grid by its last split (two merge batches at
+// most, which overlap the other units' tail); a tile of more, by pw_decode_merge_kernel after the grid when the
+// launch runs it (`merge_after`), since one warp reading many splits' partials is the grid's longest chain. The
+// break-even on an H100: 16-split tiles lost 1.7 % merged after the grid, 32-split tiles gained 17 % (run 137).
+constexpr int kGridMergeMaxSplits = 16;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr float kLn2 = 0.69314718055994530942f;
 
@@ -147,6 +153,27 @@ __device__ __forceinline__ int launch_splits(const Params& p, int items) {
   return max(1, min(kMaxSplits, p.workspace_units / items));
 }
 
+// One row's split weights from its splits' log2-domain LSEs, lane s holding splits s and s + 32 (-inf past the
+// tile's splits): w_s / sum w for each, and the row's natural-log LSE. A split that saw none of the row's keys
+// has LSE -inf and weight exp2(-inf) = 0; no key at all: max -inf, every weight 0, LSE -inf.
+struct SplitWeights {
+  float a, b;  // lane s: split s's and split s + 32's normalised weight
+  float lse;   // the row's natural-log LSE
+};
+
+__device__ __forceinline__ SplitWeights split_weights(float lse_a, float lse_b) {
+  float mx = fmaxf(lse_a, lse_b);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, o));
+  const float w_a = mx == -INFINITY ? 0.f : fast_exp2(lse_a - mx);
+  const float w_b = mx == -INFINITY ? 0.f : fast_exp2(lse_b - mx);
+  float total = w_a + w_b;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(kFullMask, total, o);
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  return {w_a * inv, w_b * inv, total > 0.f ? (mx + __log2f(total)) * kLn2 : -INFINITY};
+}
+
 // Merge the `splits` (<= kMaxSplits) partials of workspace units [first, first + splits) into the tile's output
 // rows. One warp reads every partial row from L2 at the end of the launch, and its time goes with the sectors it
 // asks for (the decode trace: about 0.9 us per batch of 8 splits x 2 rows when each load instruction touched
@@ -176,20 +203,10 @@ __device__ __forceinline__ void merge_splits(const Params& p, const Tile& t, int
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
     if (r >= t.rows) break;  // uniform
-    float mx = fmaxf(lse_a[r], lse_b[r]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFullMask, mx, o));
-    // A split that saw none of the row's keys has LSE -inf: weight exp2(-inf) = 0. No key at all: mx = -inf.
-    const float w_a = mx == -INFINITY ? 0.f : fast_exp2(lse_a[r] - mx);
-    const float w_b = mx == -INFINITY ? 0.f : fast_exp2(lse_b[r] - mx);
-    float total = w_a + w_b;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) total += __shfl_xor_sync(kFullMask, total, o);
-    const float inv = total > 0.f ? 1.f / total : 0.f;
-    weights[r * kWeightSlots + lane] = w_a * inv;
-    weights[r * kWeightSlots + lane + 32] = w_b * inv;
-    if (p.lse != nullptr && lane == 0)
-      p.lse[row_offset(p, t, kv_head, r) / kHeadDim] = total > 0.f ? (mx + __log2f(total)) * kLn2 : -INFINITY;
+    const SplitWeights w = split_weights(lse_a[r], lse_b[r]);
+    weights[r * kWeightSlots + lane] = w.a;
+    weights[r * kWeightSlots + lane + 32] = w.b;
+    if (p.lse != nullptr && lane == 0) p.lse[row_offset(p, t, kv_head, r) / kHeadDim] = w.lse;
   }
   __syncwarp();  // every row's weights written
   trace.clock(traced, kSlotMergeWeights);
@@ -234,13 +251,17 @@ __device__ __forceinline__ void merge_splits(const Params& p, const Tile& t, int
   __syncwarp();  // every lane done with the weights before the next unit's copies reuse the stages
 }
 
-__global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params p) {
+__global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params p, const bool merge_after) {
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t sQ = smem_addr(smem);
   const uint32_t sK = sQ + kTileBytes;
   const uint32_t sV = sK + kStages * kTileBytes;
   const int lane = threadIdx.x;
   DecodeTrace trace;  // records in a -DPW_DECODE_TRACE=1 build only
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // A merge grid launched after this one may start now (its griddepcontrol.wait still waits for this whole grid).
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
 
   const int num_tiles = p.plan_scalars[2];
   const int items = num_tiles * p.num_kv_heads;
@@ -410,6 +431,7 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
       if (g + 8 < t.rows) __stcg(part_lse + static_cast<long long>(g + 8) * p.workspace_units, softmax.lse_log2(1));
     }
     trace.clock(first, kSlotStored);
+    if (merge_after && tile_splits > kGridMergeMaxSplits) continue;  // pw_decode_merge_kernel merges the tile
     // The counter: lane 0's release carries the whole warp's partial (ordered before it by __syncwarp) to the
     // split that acquires the last count; that split's lanes read the others' partials after lane 0's acquire
     // (ordered by the __syncwarp after the shuffle).
@@ -430,20 +452,90 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
   trace.exit();
 }
 
+// The merge of the tiles of more than kGridMergeMaxSplits splits, a grid of its own launched after the decode
+// kernel on the same stream (by programmatic dependent launch on sm_90, so that its launch and prologue overlap the
+// decode grid). CTA = (tile, KV head) of the plan's tile capacity, kMergeThreads threads: warp w sums row
+// r0 + w / 4's columns 64 (w % 4) + 2 lane, + 1 over the tile's splits, for r0 = 0, 2, 4, ... < rows; a lane's
+// loads of 32 splits and its row's split LSEs go out together. The weights and the order of every sum are
+// merge_splits', so the output bits do not depend on which grid merged a tile.
+constexpr int kMergeThreads = 256;
+constexpr int kMergeKernelUnroll = 32;  // splits whose float2 loads a lane keeps in flight
+
+__global__ void __launch_bounds__(kMergeThreads, 1) pw_decode_merge_kernel(const Params p) {
+  const int tile = static_cast<int>(blockIdx.x) / p.num_kv_heads;
+  const int kv_head = static_cast<int>(blockIdx.x) - tile * p.num_kv_heads;
+  const int warp = static_cast<int>(threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int num_tiles = p.plan_scalars[2];
+  if (tile >= num_tiles) return;  // past the live tiles of a plan filled below its capacity
+  const int items = num_tiles * p.num_kv_heads;
+  const int splits = launch_splits(p, items);
+  const Tile t = tile_geometry(p, tile);
+  const int tile_splits = max(1, min(splits, t.steps / kMinStepsPerSplit));
+  if (t.rows <= 0 || tile_splits <= kGridMergeMaxSplits) return;  // written or merged by the decode grid
+  const int first = (tile * p.num_kv_heads + kv_head) * splits;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the decode grid done, its partials visible
+#endif
+  const float* lse_base = p.workspace + static_cast<long long>(p.workspace_units) * kPartialFloats;
+  const int col = (warp % 4) * 64 + 2 * lane;
+  for (int r0 = 0; r0 < t.rows; r0 += 2) {
+    const int r = r0 + warp / 4;
+    if (r >= t.rows) break;  // uniform over the warp
+    // The first kMergeKernelUnroll splits' columns, issued before the LSEs so that the two trips overlap.
+    const float* src_row = p.workspace + static_cast<long long>(first) * kPartialFloats + r * kHeadDim + col;
+    float2 v[kMergeKernelUnroll];
+    auto load_splits = [&](int s0) {
+#pragma unroll
+      for (int j = 0; j < kMergeKernelUnroll; ++j) {  // never predicated: a split past the count reads the last
+        const int s = min(s0 + j, tile_splits - 1);
+        v[j] = __ldcg(reinterpret_cast<const float2*>(src_row + static_cast<long long>(s) * kPartialFloats));
+      }
+    };
+    load_splits(0);
+    const float* row_lse = lse_base + static_cast<long long>(r) * p.workspace_units + first;
+    const float lse_a = lane < tile_splits ? __ldcg(row_lse + lane) : -INFINITY;
+    const float lse_b = lane + 32 < tile_splits ? __ldcg(row_lse + lane + 32) : -INFINITY;
+    const SplitWeights w = split_weights(lse_a, lse_b);
+    if (p.lse != nullptr && lane == 0 && warp % 4 == 0) p.lse[row_offset(p, t, kv_head, r) / kHeadDim] = w.lse;
+    float acc0 = 0.f, acc1 = 0.f;
+    for (int s0 = 0;;) {
+#pragma unroll
+      for (int j = 0; j < kMergeKernelUnroll; ++j) {
+        const int s = s0 + j;
+        const float ws = __shfl_sync(kFullMask, s < 32 ? w.a : w.b, s & 31);
+        const float wj = s < tile_splits ? ws : 0.f;
+        acc0 += wj * v[j].x, acc1 += wj * v[j].y;
+      }
+      s0 += kMergeKernelUnroll;
+      if (s0 >= tile_splits) break;
+      load_splits(s0);
+    }
+    __nv_bfloat16* const dst = p.out + row_offset(p, t, kv_head, r) + col;
+    *reinterpret_cast<uint32_t*>(dst) = pack_bf16x2(acc0, acc1);
+  }
+}
+
 constexpr int kMaxDevices = 64;
 
-// CTAs the device holds at once (SMs x CTAs per SM at this kernel's shared memory), once per device; the
-// dynamic shared-memory opt-in is set on the way.
-static int resident_ctas(int device, int* ctas) {
-  static std::atomic<int> cache[kMaxDevices];
+// What a launch on a device needs to know of it, found once per device (the dynamic shared-memory opt-in is set on
+// the way): the CTAs it holds at once (SMs x CTAs per SM at this kernel's shared memory) and whether it takes a
+// programmatic dependent launch (sm_90 and later), which the merge grid uses.
+struct DeviceLaunch {
+  int ctas;
+  bool dependent_launch;
+};
+
+static int device_launch(int device, DeviceLaunch* out) {
+  static std::atomic<int> cache[kMaxDevices];  // 2 ctas + dependent_launch; 0: not found yet
   if (device >= 0 && device < kMaxDevices) {
     const int c = cache[device].load(std::memory_order_acquire);
     if (c != 0) {
-      *ctas = c;
+      *out = {c >> 1, (c & 1) != 0};
       return 0;
     }
   }
-  int optin = 0, sms = 0, per_sm = 0;
+  int optin = 0, sms = 0, per_sm = 0, major = 0;
   cudaError_t e = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (e != cudaSuccess) return static_cast<int>(e);
   if (optin < kSmemBytes) return PW_PREFILL_ERR_SMEM_UNAVAILABLE;
@@ -452,12 +544,14 @@ static int resident_ctas(int device, int* ctas) {
     e = cudaFuncSetAttribute(pw_decode_hd256_kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                              cudaSharedmemCarveoutMaxShared);
   if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
   if (e == cudaSuccess)
     e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, pw_decode_hd256_kernel, kThreads, kSmemBytes);
   if (e != cudaSuccess) return static_cast<int>(e);
   if (per_sm < 1) return PW_PREFILL_ERR_SMEM_UNAVAILABLE;
-  *ctas = sms * per_sm;
-  if (device >= 0 && device < kMaxDevices) cache[device].store(*ctas, std::memory_order_release);
+  *out = {sms * per_sm, major >= 9};
+  if (device >= 0 && device < kMaxDevices)
+    cache[device].store(2 * out->ctas + (out->dependent_launch ? 1 : 0), std::memory_order_release);
   return 0;
 }
 
@@ -486,14 +580,35 @@ extern "C" void pw_decode_trace_layout(int* out) {
 // a persistent grid of at most the CTAs the device holds, never more than the plan's units can use.
 int pw_decode_hd256_launch(const PwPrefillParams& p, int grid_tiles, cudaStream_t stream) {
   using namespace pw_decode;
-  int device = 0, ctas = 0;
+  int device = 0;
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return static_cast<int>(e);
-  const int rc = resident_ctas(device, &ctas);
+  DeviceLaunch shape;
+  const int rc = device_launch(device, &shape);
   if (rc != 0) return rc;
   const long long most_units =
       static_cast<long long>(grid_tiles) * p.num_kv_heads * (p.workspace_units > 0 ? kMaxSplits : 1);
-  const unsigned grid = static_cast<unsigned>(most_units < ctas ? most_units : ctas);
-  pw_decode_hd256_kernel<<<grid, kThreads, kSmemBytes, stream>>>(p);
+  const unsigned grid = static_cast<unsigned>(most_units < shape.ctas ? most_units : shape.ctas);
+  // The merge grid runs when the plan's tile capacity splits tiles more than kGridMergeMaxSplits ways (a plan
+  // filled below its capacity splits more, never fewer); the decode kernel leaves it those tiles only then.
+  const long long capacity_items = static_cast<long long>(grid_tiles) * p.num_kv_heads;
+  long long capacity_splits = capacity_items > 0 ? p.workspace_units / capacity_items : 0;
+  if (capacity_splits > kMaxSplits) capacity_splits = kMaxSplits;
+  const bool merge_after = capacity_splits > kGridMergeMaxSplits;
+  pw_decode_hd256_kernel<<<grid, kThreads, kSmemBytes, stream>>>(p, merge_after);
+  if (!merge_after) return static_cast<int>(cudaGetLastError());
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return static_cast<int>(e);
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(capacity_items));
+  cfg.blockDim = dim3(kMergeThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;  // sm_90: start before the decode grid ends
+  attr[0].val.programmaticStreamSerializationAllowed = shape.dependent_launch ? 1 : 0;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  e = cudaLaunchKernelEx(&cfg, pw_decode_merge_kernel, p);
+  if (e != cudaSuccess) return static_cast<int>(e);
   return static_cast<int>(cudaGetLastError());
 }

@@ -5,12 +5,13 @@ import pytest
 import torch
 
 import pagedwindow as pw
-from pagedwindow import testing
+from pagedwindow import testing, tiles
 from pagedwindow.cuda import ops
 from pagedwindow.layout import checked_paged_geometry
 from pagedwindow.plan import SPLIT_KV_UNITS_PER_SM
 from pagedwindow.testing import dense_attention, error_bound, max_abs_err, random_batch, run_kernel_case
 
+from .kernel_source import decode_constant
 from .plan_buffers import live_entries
 
 pytestmark = pytest.mark.cuda
@@ -105,6 +106,45 @@ def test_auto_routes_bf16_to_the_kernel_and_matches_reference():
     assert torch.equal(auto, out[: case.plan.total_tokens])
 
 
+def update_cases(gen, updates, *, page_size, num_qo_heads, num_kv_heads, num_pages) -> list:
+    """``(name, random_batch)`` for each ``(name, seq_lens, start_positions)`` of ``updates``: bf16 on the GPU,
+    one layer, ``num_pages`` pages (the pool a captured graph keeps)."""
+    return [
+        (
+            name,
+            random_batch(
+                gen,
+                seq_lens=seqs,
+                start_positions=starts,
+                page_size=page_size,
+                num_qo_heads=num_qo_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=D,
+                dtype=torch.bfloat16,
+                device="cuda",
+                num_pages=num_pages,
+                num_layers=1,
+                layer=0,
+            ),
+        )
+        for name, seqs, starts in updates
+    ]
+
+
+def captured(step) -> torch.cuda.CUDAGraph:
+    """``step`` run once on a side stream (the warm-up outside capture: builds the library and sets the kernels'
+    shared-memory attributes), then captured into a graph."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph
+
+
 # One graph, replayed after updates of every shape class: (seq_lens, start_positions) per update.
 UPDATE_SEQUENCE = [
     ("decode", [1] * 8, [300, 1100, 17, 640, 5, 999, 64, 250]),
@@ -165,35 +205,9 @@ def test_cuda_graph_replay_across_every_update_equals_eager(tile, csr_device):
         q[:n], k[:n], v[:n] = case.q, case.k, case.v
         out.fill_(float("nan"))
 
-    cases = [
-        (
-            name,
-            random_batch(
-                gen,
-                seq_lens=seqs,
-                start_positions=starts,
-                page_size=ps,
-                num_qo_heads=hq,
-                num_kv_heads=hkv,
-                head_dim=D,
-                dtype=torch.bfloat16,
-                device="cuda",
-                num_pages=num_pages,
-                num_layers=1,
-                layer=0,
-            ),
-        )
-        for name, seqs, starts in UPDATE_SEQUENCE
-    ]
+    cases = update_cases(gen, UPDATE_SEQUENCE, page_size=ps, num_qo_heads=hq, num_kv_heads=hkv, num_pages=num_pages)
     load(cases[0][1])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # warm-up outside capture: builds the library and sets the shared-memory attribute
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = captured(step)
     for name, case in cases:
         n = case.plan.total_tokens
         load(case)
@@ -226,6 +240,82 @@ def test_cuda_graph_replay_across_every_update_equals_eager(tile, csr_device):
             page_size=ps,
             cta_tile_q=other,
         )
+
+
+# Decode updates under one graph whose plan's tile capacity (2 tiles x 2 KV heads) splits a tile more ways than
+# the decode grid merges itself, so that its launch runs the merge grid: (seq_lens, start_positions) per update.
+MERGE_GRID_UPDATES = [
+    ("one request on 4 001 keys", [1], [4000]),
+    ("two requests", [1, 1], [3000, 50]),
+    ("seven steps: merged in the decode grid", [1], [100]),
+    ("one key", [1], [0]),
+    ("no new rows", [0], [20]),
+    ("two long requests", [1, 1], [4095, 2047]),
+]
+
+
+@pytest.mark.parametrize("window_left", [-1, 1023])
+def test_cuda_graph_replay_with_the_merge_grid_equals_eager(window_left):
+    """A preallocated decode plan of 2 tiles, so that each launch runs the split merge as a grid of its own after
+    the decode grid (sm_90: by programmatic dependent launch): one captured graph, replayed after every update,
+    equals eager bit for bit (rows and LSEs) and the fp64 answer, whether a tile's splits are merged after the grid
+    or, few enough, inside it, and leaves the split counters zero."""
+    hq, hkv, ps, num_pages = 8, 2, 16, 600  # 2 x 2 items: min(64, SMs) splits, > 16 from 17 SMs
+    plan = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=2, max_total_pages=num_pages, max_batch=2, max_tiles=2, device="cuda"
+    )
+    assert plan.cta_tile_q == 16
+    gen = torch.Generator().manual_seed(13 + window_left)
+    layout = pw.PagedKvLayout(1, hkv, D, ps)
+    pool = layout.allocate(num_pages, torch.bfloat16, "cuda")
+    q = torch.zeros(2, hq, D, dtype=torch.bfloat16, device="cuda")
+    out = torch.empty(2, hq, D, dtype=torch.bfloat16, device="cuda")
+    lse = torch.empty(2, hq, dtype=torch.float32, device="cuda")
+
+    def step():
+        pw.batch_prefill_paged_window(
+            q, pool, layout, 0, plan, sm_scale=SM_SCALE, window_left=window_left, out=out, lse=lse, backend="cuda"
+        )
+
+    def load(case):
+        p = case.plan
+        plan.update_csr(
+            p.qo_indptr, p.page_indptr, p.page_indices, p.last_page_len,
+            num_qo_heads=hq, num_kv_heads=hkv, head_dim=D, page_size=ps,
+        )  # fmt: skip
+        pool.copy_(case.pool)  # the case's prefix and new rows (appended below, once per case)
+        q[: p.total_tokens] = case.q
+        out.fill_(float("nan"))
+        lse.fill_(float("nan"))
+
+    cases = update_cases(gen, MERGE_GRID_UPDATES, page_size=ps, num_qo_heads=hq, num_kv_heads=hkv, num_pages=num_pages)
+    for _, case in cases:
+        case.append(backend="reference")  # the new rows' K/V into the case's pool, which the LSE reference reads
+    load(cases[0][1])
+    _, counters = plan.split_kv_workspace(torch.device("cuda"))  # made with the first filled plan
+    capacity_splits = min(tiles.SPLIT_KV_MAX_SPLITS, len(counters) // (2 * hkv))
+    assert capacity_splits > decode_constant("kGridMergeMaxSplits"), "the launch would not run the merge grid"
+    graph = captured(step)
+    for name, case in cases:
+        n = case.plan.total_tokens
+        load(case)
+        graph.replay()
+        torch.cuda.synchronize()
+        replayed, replayed_lse = out.clone(), lse.clone()
+        load(case)
+        step()
+        torch.cuda.synchronize()
+        assert torch.equal(replayed[:n], out[:n]), f"{name}: graph replay differs from eager"
+        assert torch.equal(replayed_lse[:n], lse[:n]), f"{name}: the replayed LSEs differ from eager"
+        assert torch.isnan(replayed[n:]).all(), f"{name}: graph replay wrote rows past total_tokens"
+        assert torch.equal(counters, torch.zeros_like(counters)), f"{name}: a launch left a split counter set"
+        if n:
+            exact = dense_attention(case, sm_scale=SM_SCALE, window_left=window_left)
+            plain = dense_attention(case, sm_scale=SM_SCALE, window_left=window_left, dtype=torch.bfloat16)
+            assert max_abs_err(out[:n], exact) <= error_bound(max_abs_err(plain, exact)), f"{name}: eager is wrong"
+            ref_lse = torch.empty(n, hq, dtype=torch.float32, device="cuda")
+            attend(case, window_left, backend="reference", lse=ref_lse)
+            torch.testing.assert_close(lse[:n], ref_lse, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("passes", ["compiled", "numpy and torch copies"])

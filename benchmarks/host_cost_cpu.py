@@ -31,7 +31,11 @@ from pagedwindow.cuda import ops
 from pagedwindow.plan import PrefillPagedPlan
 
 LAUNCHERS = ("pw_prefill_hd256_bf16", "pw_prefill_hd256_bf16_sm90", "pw_append_paged_kv", "pw_prepare_qkv")
-STUB_SOURCE = "".join(f"int {name}(const void* block, void* stream) {{ return 0; }}\n" for name in LAUNCHERS)
+STUB_SOURCE = f"int pw_stub_calls[{len(LAUNCHERS)}];\n" + "".join(
+    f"int {name}(const void* block, void* stream) {{ ++pw_stub_calls[{i}]; return 0; }}\n"
+    for i, name in enumerate(LAUNCHERS)
+)
+"""Each stub counts its calls in ``pw_stub_calls`` (``stub_calls``) and launches nothing."""
 GPU_DEVICE = torch.device("cuda", 0)
 DECODE_STEP = bench.Workload("decode_64x128", seq_lens=(1,) * 64, start_positions=(127,) * 64)
 """The attention calls' batch: a decode step of 64 requests (the host path of ``decode_64x4096``, whose 1 GiB
@@ -39,7 +43,7 @@ pool a CPU need not fill: the plan's tile and the call's checks are the same).""
 
 
 def stub_library(directory: Path) -> ctypes.CDLL:
-    """The four launchers as C functions that launch nothing and return 0."""
+    """The four launchers as C functions that launch nothing and return 0 (each counts its calls)."""
     source, library = directory / "stub.c", directory / "libstub.so"
     source.write_text(STUB_SOURCE)
     subprocess.run(["cc", "-O2", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
@@ -48,7 +52,14 @@ def stub_library(directory: Path) -> ctypes.CDLL:
         getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         getattr(lib, name).restype = ctypes.c_int
     lib.prefill = lib.pw_prefill_hd256_bf16_sm90  # the launcher ops.library picks on Hopper
+    lib.prepare_launcher_address = ctypes.cast(lib.pw_prepare_qkv, ctypes.c_void_p).value  # the call gate's
     return lib
+
+
+def stub_calls(lib: ctypes.CDLL) -> dict[str, int]:
+    """How many times each stub launcher of ``lib`` has been called (by ctypes or by the call gate)."""
+    counts = (ctypes.c_int * len(LAUNCHERS)).in_dll(lib, "pw_stub_calls")
+    return dict(zip(LAUNCHERS, counts))
 
 
 @contextlib.contextmanager
@@ -56,10 +67,11 @@ def cuda_backend_on_cpu_tensors(lib: ctypes.CDLL):
     """Within the block ``backend="cuda"`` runs on CPU tensors: the backend's checks see a CUDA device, the kernels
     count as loaded, the launchers are ``lib``'s stubs, the current device and stream are the CPU's (None, 0), and
     a plan's buffer on the CPU is built once per plan, as its GPU mirror is (on the CPU it is otherwise a fresh
-    copy per call). Everything is put back on exit."""
-    resolve, device_buffer = api._resolve_backend, PrefillPagedPlan.device_buffer
+    copy per call). Tensors report ``is_cuda`` (the test that sends a prep call to the compiled call gate, which
+    then checks the CPU tensors and calls ``lib``'s stub). Everything is put back on exit."""
+    resolve, device_buffer, library = api._resolve_backend, PrefillPagedPlan.device_buffer, ops.library
     load_state, libraries = dict(cuda_backend._load_state), dict(ops._by_device)
-    current_device, current_stream = ops._current_device, ops._current_raw_stream
+    current_device, current_stream = ops.current_device, ops.current_raw_stream
     buffers: dict[int, torch.Tensor] = {}
 
     def resolve_as_on_a_gpu(what, backend, plan, device, *rest):
@@ -75,17 +87,20 @@ def cuda_backend_on_cpu_tensors(lib: ctypes.CDLL):
     PrefillPagedPlan.device_buffer = mirrored_buffer
     cuda_backend._load_state["error"] = None
     ops._by_device[None] = lib  # the CPU tensors' device index
-    ops._current_device = lambda: None
-    ops._current_raw_stream = lambda index: 0
+    ops.current_device = lambda: None
+    ops.current_raw_stream = lambda index: 0
+    ops.library = lambda device: lib
+    torch.Tensor.is_cuda = property(lambda self: True)  # shadows the C property until deleted
     try:
         yield
     finally:
-        api._resolve_backend, PrefillPagedPlan.device_buffer = resolve, device_buffer
+        del torch.Tensor.is_cuda
+        api._resolve_backend, PrefillPagedPlan.device_buffer, ops.library = resolve, device_buffer, library
         cuda_backend._load_state.clear()
         cuda_backend._load_state.update(load_state)
         ops._by_device.clear()
         ops._by_device.update(libraries)
-        ops._current_device, ops._current_raw_stream = current_device, current_stream
+        ops.current_device, ops.current_raw_stream = current_device, current_stream
 
 
 def calls() -> dict:

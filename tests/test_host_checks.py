@@ -123,8 +123,8 @@ def test_the_prep_block_is_rewritten_whenever_a_per_call_scalar_changes(monkeypa
             return 0
 
     monkeypatch.setitem(ops._by_device, None, StubLibrary)  # CPU tensors: device index None
-    monkeypatch.setattr(ops, "_current_device", lambda: None)
-    monkeypatch.setattr(ops, "_current_raw_stream", lambda index: 0)
+    monkeypatch.setattr(ops, "current_device", lambda: None)
+    monkeypatch.setattr(ops, "current_raw_stream", lambda index: 0)
     block = ops.PrepareLaunch(head_dim=d)
     weights = {torch.bfloat16: torch.ones(d, dtype=torch.bfloat16), torch.float32: torch.ones(d)}
     rows = {dt: torch.zeros(2, 1, d, dtype=dt) for dt in (torch.bfloat16, torch.float16)}

@@ -15,7 +15,9 @@ Host cost: a call re-checks everything, but what depends only on the pool is cac
 by the layout, layer and the pool's dtype, shape and contiguity) and what depends only on the plan is computed once
 per plan update (the kernels' parameter block). Within a call each tensor's address is read once (one pass feeds the
 overlap check and, folded into one OR, the backend's alignment check), each expected shape is built once and
-``torch.compiler.is_compiling()`` is asked once.
+``torch.compiler.is_compiling()`` is asked once. An eager ``prepare_paged_qkv`` on a GPU pool hands its tensors to
+the CUDA backend's compiled call gate first, which checks them all and launches in one C call; when the gate
+refuses (nothing written), the checks here run and raise.
 """
 
 from __future__ import annotations
@@ -438,6 +440,27 @@ def prepare_paged_qkv(
     check_rope(what, d, rope_theta, rope_position_factor, max_position, compiling=compiling)
     dtype, device = pool.dtype, pool.device
     q_shape, kv_shape = (rows, hq, d), (rows, hkv, d)
+    if rows and not compiling and (backend == "auto" or backend == "cuda") and pool.is_cuda:
+        # The compiled gate checks the tensors and launches in one C call; when it refuses (nothing written),
+        # the checks below run and name the error, or launch the checked way.
+        out = out_q if out_q is not None else torch.empty(q_shape, dtype=dtype, device=device)
+        if _cuda_backend().prepare_paged_qkv_gated(
+            q,
+            k,
+            v,
+            pool,
+            geometry,
+            plan,
+            state,
+            q_norm_weight=q_norm_weight,
+            k_norm_weight=k_norm_weight,
+            eps=eps,
+            rope_theta=rope_theta,
+            rope_position_factor=rope_position_factor,
+            norm_style=norm_style,
+            out_q=out,
+        ):
+            return out if out.shape[0] == rows else out[:rows]
     _check_rows(what, "q", q, q_shape, dtype, device)
     _check_rows(what, "k", k, kv_shape, dtype, device)
     _check_rows(what, "v", v, kv_shape, dtype, device)

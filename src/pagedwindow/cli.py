@@ -256,6 +256,17 @@ def doctor(*, build_kernels: bool = False) -> int:
         print(f"kernel library: not built yet (or damaged); the first CUDA call builds it into {entry}")
         return 0
     print(f"kernel library: {library} (built and verified; backend='auto' runs the CUDA kernels on bf16 head_dim 256)")
+    if build_kernels:
+        from .cuda import launch_gate
+
+        gate = launch_gate.module()
+        if gate is None:
+            reason = launch_gate.unavailable_reason()
+            print(f"call gate: unavailable, prep calls take the checked Python path: {reason}")
+        else:
+            print(f"call gate: {gate.__file__} (loaded; prep calls check and launch in one C call)")
+    else:
+        print("call gate: built on the first prep call (doctor --build builds it now)")
     from .layout import PagedKvLayout, checked_paged_geometry
 
     for page_size in (16, 5):  # the K/V copy path depends on the pool: one that allows bulk copies, one that not

@@ -54,6 +54,9 @@ KERNELS_DIR = Setting(
     "the directory the kernel sources are read from",
 )
 CACHE_DIR = Setting("PAGEDWINDOW_CACHE_DIR", "~/.cache/pagedwindow", "where built kernel libraries are cached")
+CXX = Setting(
+    "PAGEDWINDOW_CXX", "c++", "the host C++ compiler that builds the call gate (kernels/launch_gate.cpp) against torch"
+)
 NVCC_PREPEND_FLAGS = Setting(
     "NVCC_PREPEND_FLAGS", "(unset)", "nvcc's own: flags it puts first; part of the kernel cache key"
 )
@@ -101,6 +104,7 @@ SETTINGS = (
     CUDA_PATH,
     KERNELS_DIR,
     CACHE_DIR,
+    CXX,
     *NVCC_VARIABLES,
     NOTEBOOKS,
     REPO,
@@ -126,6 +130,11 @@ def nvcc_flags() -> list[str]:
 def nvcc() -> str | None:
     """``$PAGEDWINDOW_NVCC``, None when unset or empty."""
     return NVCC.value()
+
+
+def cxx() -> str:
+    """``$PAGEDWINDOW_CXX``, ``c++`` when unset or empty."""
+    return CXX.value() or "c++"
 
 
 def cuda_home() -> Path:

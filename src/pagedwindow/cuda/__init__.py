@@ -15,7 +15,7 @@ from ..errors import PagedWindowError
 from ..layout import PagedGeometry
 from ..plan import PrefillPagedPlan
 from ..tiles import SUPPORTED_CTA_TILE_Q
-from . import ops
+from . import launch_gate, ops
 from .build import BuildError, target_for_capability
 
 PREFILL_HEAD_DIM = 256
@@ -256,8 +256,8 @@ def prepare_paged_qkv(
 ) -> None:
     """Launch the fused prep (eager: the launcher directly; ``compiling``: the custom op)."""
     device = q.device
-    cap = plan.capacity
     if compiling:
+        cap = plan.capacity
         ops.prepare_qkv(
             q,
             k,
@@ -283,21 +283,8 @@ def prepare_paged_qkv(
             norm_style,
         )
         return
-    key = ("prepare", device.index)
-    block = plan.launch_cache.get(key)
-    if block is None:  # once per plan update: the block holds the plan buffer's address (uploaded at each update)
-        block = plan.launch_cache[key] = ops.prepare_block(
-            plan.device_buffer(device),
-            cap.segment_offsets(),
-            page_size=plan.page_size,
-            num_qo_heads=plan.num_qo_heads,
-            num_kv_heads=plan.num_kv_heads,
-            head_dim=plan.head_dim,
-            batch_capacity=cap.max_batch,
-            token_capacity=cap.max_total_tokens,
-        )
     ops.launch_prepare(
-        block,
+        _prepare_block(plan, device),
         device,
         q,
         k,
@@ -314,3 +301,92 @@ def prepare_paged_qkv(
         rope_position_factor,
         norm_style,
     )
+
+
+def _prepare_block(plan: PrefillPagedPlan, device: torch.device) -> ops.PrepareLaunch:
+    """The plan's prep parameter block on ``device``, built once per plan update (``plan.launch_cache``): it
+    holds the plan buffer's address, uploaded at each update."""
+    key = ("prepare", device.index)
+    block = plan.launch_cache.get(key)
+    if block is None:
+        cap = plan.capacity
+        block = plan.launch_cache[key] = ops.prepare_block(
+            plan.device_buffer(device),
+            cap.segment_offsets(),
+            page_size=plan.page_size,
+            num_qo_heads=plan.num_qo_heads,
+            num_kv_heads=plan.num_kv_heads,
+            head_dim=plan.head_dim,
+            batch_capacity=cap.max_batch,
+            token_capacity=cap.max_total_tokens,
+        )
+    return block
+
+
+def prepare_paged_qkv_gated(
+    q,
+    k,
+    v,
+    pool,
+    geometry: PagedGeometry,
+    plan: PrefillPagedPlan,
+    state,
+    *,
+    q_norm_weight,
+    k_norm_weight,
+    eps: float,
+    rope_theta: float,
+    rope_position_factor: float,
+    norm_style: str,
+    out_q,
+) -> bool:
+    """Launch the fused prep through the compiled call gate (``launch_gate``), eagerly; True once launched.
+
+    For a call whose plan (``state``: its ``plan.state``), pool and scalars the API has checked, with
+    ``state.total_tokens`` > 0 and the pool on a CUDA device. The gate
+    checks the tensors (every contract ``api.prepare_paged_qkv`` checks per tensor, and the kernels' alignment)
+    and launches on the current stream. False, with nothing written or launched, when the gate is not built here,
+    the kernels cannot run this call (not loaded, an unsupported dtype or head_dim, the pool's device not the
+    current one) or a tensor check fails: the caller then runs the checked path."""
+    gate = launch_gate.module()
+    if gate is None or _load_error() is not None:
+        return False
+    if pool.dtype not in PREPARE_DTYPES or state.head_dim not in PREPARE_HEAD_DIMS:
+        return False
+    device = pool.device
+    index = device.index
+    if index != ops.current_device():
+        return False
+    block = _prepare_block(plan, device)
+    ops.write_prepare_scalars(
+        block,
+        geometry.k_offset,
+        geometry.v_offset,
+        geometry.page_stride,
+        eps,
+        rope_theta,
+        rope_position_factor,
+        norm_style,
+    )
+    lib = ops.library(device)  # loaded (checked above): a dict lookup
+    code = gate.prepare(
+        q,
+        k,
+        v,
+        pool,
+        out_q,
+        q_norm_weight,
+        k_norm_weight,
+        state.total_tokens,
+        state.num_qo_heads,
+        state.num_kv_heads,
+        state.head_dim,
+        block.address,
+        lib.prepare_launcher_address,
+        ops.current_raw_stream(index),
+    )
+    if code == 0:
+        return True
+    if code == gate.REFUSED:
+        return False
+    raise ops.launch_error(code, "pw_prepare_qkv", lib.pw_prepare_qkv_error_string)

@@ -90,7 +90,10 @@ class PrepareLaunch(ctypes.Structure):
     """Mirror of ``PwPrepareLaunch`` (kernels/prepare_qkv.cu)."""
 
     scalars: tuple | None = None
-    """The per-call scalars last written into the block (``launch_prepare``), not a C field."""
+    """The per-call scalars last written into the block (``write_prepare_scalars``), not a C field."""
+    address: int = 0
+    """The block's own address (``prepare_block`` sets it), what the compiled call gate writes into; not a C
+    field."""
 
     _fields_ = [
         ("q", _p),
@@ -160,6 +163,7 @@ def load(path) -> ctypes.CDLL:
                 f"{path}: {name}() = {getattr(lib, name)()} but the host's {block.__name__} has "
                 f"{ctypes.sizeof(block)} bytes (a stale or foreign library)"
             )
+    lib.prepare_launcher_address = ctypes.cast(lib.pw_prepare_qkv, _p).value  # what the call gate calls
     lib.pw_prefill_hd256_sm90_kv_copy_mode.argtypes = [_p, _ll, _ll, _ll, _i, _i]
     lib.pw_prefill_hd256_sm90_kv_copy_mode.restype = _i
     for name in (
@@ -194,23 +198,28 @@ def _raw_stream(index: int) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
-_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _raw_stream)
-_current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
+current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", _raw_stream)
+current_device = getattr(torch._C, "_cuda_getDevice", torch.cuda.current_device)
 
 
 def _launch_on(device: torch.device, launcher, block) -> int:
     """Call ``launcher(&block, stream)`` with ``device`` current (launchers launch on the current device) and
     its current stream; returns the launcher's status."""
     index = device.index
-    if index == _current_device():
-        return launcher(ctypes.byref(block), _current_raw_stream(index))
+    if index == current_device():
+        return launcher(ctypes.byref(block), current_raw_stream(index))
     with torch.cuda.device(index):
-        return launcher(ctypes.byref(block), _current_raw_stream(index))
+        return launcher(ctypes.byref(block), current_raw_stream(index))
 
 
-def _check(code: int, name: str, error_string) -> None:
+def launch_error(code: int, name: str, error_string) -> RuntimeError:
+    """The error of a launcher that returned ``code`` (not 0), with its status table's text."""
+    return RuntimeError(f"{name} failed with code {code}: {error_string(code).decode()}")
+
+
+def check_status(code: int, name: str, error_string) -> None:
     if code != 0:
-        raise RuntimeError(f"{name} failed with code {code}: {error_string(code).decode()}")
+        raise launch_error(code, name, error_string)
 
 
 # -- parameter blocks from a plan buffer --------------------------------------------------------------------------
@@ -296,7 +305,7 @@ def prepare_block(
     come per call)."""
     base = plan_buffer.data_ptr()
     scalars, page_indptr, last, qo_indptr, _, _, pages = (base + 4 * o for o in segment_offsets)
-    return PrepareLaunch(
+    block = PrepareLaunch(
         page_indices=pages,
         page_indptr=page_indptr,
         last_page_len=last,
@@ -309,6 +318,8 @@ def prepare_block(
         batch_capacity=batch_capacity,
         token_capacity=token_capacity,
     )
+    block.address = ctypes.addressof(block)
+    return block
 
 
 _inv_freq_arrays: dict[tuple, ctypes.Array] = {}  # (head_dim, theta, factor) -> the block's inv_freq field
@@ -348,7 +359,7 @@ def launch_prefill(
     lib = _by_device.get(q.device.index) or library(q.device)
     code = _launch_on(q.device, lib.prefill, block)
     if code != 0:
-        _check(code, lib.prefill.__name__, lib.pw_prefill_hd256_error_string)  # one status table for both
+        check_status(code, lib.prefill.__name__, lib.pw_prefill_hd256_error_string)  # one status table for both
 
 
 def launch_append(
@@ -367,7 +378,31 @@ def launch_append(
     lib = _by_device.get(k.device.index) or library(k.device)
     code = _launch_on(k.device, lib.pw_append_paged_kv, block)
     if code != 0:
-        _check(code, "pw_append_paged_kv", lib.pw_append_paged_kv_error_string)
+        check_status(code, "pw_append_paged_kv", lib.pw_append_paged_kv_error_string)
+
+
+def write_prepare_scalars(
+    block: PrepareLaunch,
+    k_offset: int,
+    v_offset: int,
+    page_stride: int,
+    eps: float,
+    rope_theta: float,
+    rope_position_factor: float,
+    norm_style: str,
+) -> None:
+    """Write the prep's checked per-call scalars into ``block``: the pool's offsets and page stride (elements),
+    the norm's style and eps, RoPE's inverse frequencies. Each field is written only when it changes (the 1 KiB
+    ``inv_freq`` above all)."""
+    rope = (rope_theta, rope_position_factor)
+    scalars = (k_offset, v_offset, page_stride, norm_style, eps, *rope)
+    if block.scalars != scalars:
+        block.k_offset, block.v_offset, block.page_stride = k_offset, v_offset, page_stride
+        block.norm_style = PREPARE_NORM_STYLE_CODES[norm_style]
+        block.eps = eps
+        if block.scalars is None or block.scalars[-2:] != rope:
+            block.inv_freq = _inv_freq_field(block.head_dim, rope_theta, rope_position_factor)
+        block.scalars = scalars
 
 
 def launch_prepare(
@@ -397,21 +432,13 @@ def launch_prepare(
         out_q.data_ptr(),
     )
     block.q_weight, block.k_weight = q_weight.data_ptr(), k_weight.data_ptr()
-    rope = (rope_theta, rope_position_factor)
-    scalars = (k_offset, v_offset, page_stride, q.dtype, q_weight.dtype, norm_style, eps, *rope)
-    if block.scalars != scalars:  # written only when they change (the 1 KiB inv_freq field above all)
-        block.k_offset, block.v_offset, block.page_stride = k_offset, v_offset, page_stride
-        block.dtype = PREPARE_DTYPE_CODES[q.dtype]
-        block.weight_fp32 = int(q_weight.dtype == torch.float32)
-        block.norm_style = PREPARE_NORM_STYLE_CODES[norm_style]
-        block.eps = eps
-        if block.scalars is None or block.scalars[-2:] != rope:
-            block.inv_freq = _inv_freq_field(block.head_dim, rope_theta, rope_position_factor)
-        block.scalars = scalars
+    block.dtype = PREPARE_DTYPE_CODES[q.dtype]
+    block.weight_fp32 = int(q_weight.dtype == torch.float32)
+    write_prepare_scalars(block, k_offset, v_offset, page_stride, eps, rope_theta, rope_position_factor, norm_style)
     lib = _by_device.get(device.index) or library(device)
     code = _launch_on(device, lib.pw_prepare_qkv, block)
     if code != 0:
-        _check(code, "pw_prepare_qkv", lib.pw_prepare_qkv_error_string)
+        check_status(code, "pw_prepare_qkv", lib.pw_prepare_qkv_error_string)
 
 
 # -- the same launches as custom ops (what torch.compile and torch.export see) -----------------------------------

@@ -46,6 +46,13 @@ def _attend(case, plan):
     return out
 
 
+def _empty_pool():
+    """An empty pool that stays empty: plans of earlier tests held in reference cycles are collected first (the
+    test's own ``gc.collect()`` would otherwise pool their buffers, and a smaller one that fits would be taken)."""
+    gc.collect()
+    plan_module.release_pooled_plan_buffers()
+
+
 def _storage_ptr(plan):
     return plan.device_buffer(torch.device("cuda", torch.cuda.current_device())).data_ptr()
 
@@ -55,7 +62,7 @@ def test_a_new_plan_takes_a_freed_plans_buffers_after_its_queued_launch():
     ordered after A's launch on the stream, so both outputs equal those of plans that never shared a buffer."""
     a, b = _case(1, [300, 1], [40, 900]), _case(2, [1, 200, 7], [500, 0, 33])
     expected_a, expected_b = _attend(a, _csr_plan(a)), _attend(b, _csr_plan(b))
-    plan_module.release_pooled_plan_buffers()
+    _empty_pool()
     plan_a = _csr_plan(a)
     storage = _storage_ptr(plan_a)
     torch.cuda.synchronize()
@@ -74,7 +81,7 @@ def test_a_new_plan_takes_a_freed_plans_buffers_after_its_queued_launch():
 def test_a_plan_on_another_stream_does_not_take_a_freed_plans_buffers():
     """Pooled buffers are reused only on the stream they were made on (as torch's caching allocator does)."""
     a = _case(3, [64, 5], [0, 100])
-    plan_module.release_pooled_plan_buffers()
+    _empty_pool()
     plan_a = _csr_plan(a)
     storage = _storage_ptr(plan_a)
     del plan_a

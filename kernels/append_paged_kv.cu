@@ -15,6 +15,8 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "launch_blocks.cuh"  // PwAppendLaunch, the launch block (also read by launch_gate.cpp)
+
 enum PwAppendStatus {
   PW_APPEND_OK = 0,
   PW_APPEND_ERR_NULL_POINTER = -1,      // a required pointer is NULL
@@ -97,27 +99,6 @@ static int launch(const Params& p, cudaStream_t stream) {
 
 }  // namespace pw_append
 
-// The launch parameter block (mirrored by a ctypes.Structure in src/pagedwindow/cuda/ops.py; the host checks
-// sizeof against pw_append_launch_size()). Pointers are device addresses; offsets and strides in elements.
-struct PwAppendLaunch {
-  const void* k;  // [rows, num_kv_heads, head_dim]
-  const void* v;  // [rows, num_kv_heads, head_dim]
-  void* pool;     // the paged KV pool (same dtype)
-  long long k_offset;
-  long long v_offset;
-  long long page_stride;
-  const int* page_indices;  // plan arrays (int32, device)
-  const int* page_indptr;
-  const int* last_page_len;
-  const int* qo_indptr;
-  const int* plan_scalars;  // {batch_size, total_tokens, num_tiles}
-  int page_size;
-  int num_kv_heads;
-  int head_dim;
-  int elem_bytes;      // 2 (bf16/fp16) or 4 (fp32)
-  int batch_capacity;  // the plan's capacities (the live sizes are read from plan_scalars)
-  int token_capacity;
-};
 
 // Validate `a`, then launch on `stream`. Returns 0, a negative status (nothing launched) or a cudaError_t.
 extern "C" int pw_append_paged_kv(const PwAppendLaunch* a, void* stream) {

@@ -22,7 +22,7 @@
 
 #include <cstdint>
 
-#include "prepare_launch.cuh"
+#include "launch_blocks.cuh"
 
 namespace {
 

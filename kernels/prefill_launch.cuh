@@ -9,6 +9,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "launch_blocks.cuh"  // PwPrefillLaunch, the launch block
+
 // Negative: an argument error found before any launch (nothing is written); positive: a cudaError_t.
 enum PwPrefillStatus {
   PW_PREFILL_OK = 0,
@@ -56,37 +58,6 @@ struct PwPrefillParams {
   int workspace_units;
 };
 
-// The launch parameter block: what the host passes to either prefill launcher, in one struct (mirrored field by
-// field by a ctypes.Structure in src/pagedwindow/cuda/ops.py; pw_prefill_launch_size() lets the host check
-// the two agree). Pointers are device addresses; offsets and strides are in elements.
-struct PwPrefillLaunch {
-  const void* q;            // [rows, num_qo_heads, 256] bf16
-  void* out;                // [rows, num_qo_heads, 256] bf16
-  float* lse;               // [rows, num_qo_heads] fp32, or NULL
-  const void* pool;         // the paged KV pool (bf16)
-  long long k_offset;       // the layer's K block within a page
-  long long v_offset;       // the layer's V block within a page
-  long long page_stride;    // elements of one page
-  const int* page_indices;  // plan arrays (int32, device)
-  const int* page_indptr;
-  const int* last_page_len;
-  const int* qo_indptr;
-  const int* request_indices;
-  const int* qo_tile_indices;
-  const int* plan_scalars;  // {batch_size, total_tokens, num_tiles}
-  int page_size;
-  int num_qo_heads;
-  int num_kv_heads;
-  int grid_tiles;   // grid x: the plan's tile capacity (the live count is read from plan_scalars)
-  int cta_tile_q;   // 16, 64 or 128
-  int window_left;  // inclusive distance, -1 = no window
-  float sm_scale;
-  // cta_tile_q 16 runs the split-KV decode kernel (decode_hd256.cu), which may split a tile's keys across CTAs:
-  // each split leaves its partial output rows and log-sum-exp here and the last one to finish merges them.
-  float* workspace;     // [workspace_units, 16 rows, 256 + 1] fp32 scratch, or NULL when workspace_units is 0
-  int* split_counters;  // [workspace_units] int32, all zero before a launch (every launch leaves them zero)
-  int workspace_units;  // 0: tiles are never split (the other tiles ignore all three fields)
-};
 
 // Check a launch's arguments and fill `p`; returns a status (PW_PREFILL_OK or < 0). Nothing is launched.
 static inline int pw_prefill_prepare(const PwPrefillLaunch* a, PwPrefillParams* p) {

@@ -35,9 +35,9 @@
 #include <atomic>
 #include <type_traits>
 
-#include "prepare_launch.cuh"  // PwPrepareLaunch, the launch block (also read by launch_gate.cpp)
-#include "ptx_common.cuh"      // cp.async, the mbarrier operations sm_80 has
-#include "sm90_ptx.cuh"        // PW_SM90_DEVICE_CODE: bulk copies, transaction counts, the watchdog wait
+#include "launch_blocks.cuh"  // PwPrepareLaunch, the launch block (also read by launch_gate.cpp)
+#include "ptx_common.cuh"     // cp.async, the mbarrier operations sm_80 has
+#include "sm90_ptx.cuh"       // PW_SM90_DEVICE_CODE: bulk copies, transaction counts, the watchdog wait
 
 enum PwPrepareStatus {
   PW_PREPARE_OK = 0,

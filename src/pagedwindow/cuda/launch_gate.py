@@ -40,7 +40,7 @@ from . import build, ops
 
 MODULE_NAME = "pagedwindow_launch_gate"
 SOURCES = ("launch_gate.cpp",)
-HEADERS = ("prepare_launch.cuh",)
+HEADERS = ("launch_blocks.cuh",)
 FLAGS = ("-O2", "-std=c++20", "-shared", "-fPIC", "-fvisibility=hidden", "-w")
 """``-w``: torch's headers warn under some compilers; the gate's own code is checked by ``make lint``."""
 

@@ -32,7 +32,7 @@ PREPARE_MAX_HALF = MAX_HEAD_DIM // 2  # inverse frequencies the prep's launch bl
 
 
 class PrefillLaunch(ctypes.Structure):
-    """Mirror of ``PwPrefillLaunch`` (kernels/prefill_launch.cuh)."""
+    """Mirror of ``PwPrefillLaunch`` (kernels/launch_blocks.cuh)."""
 
     _fields_ = [
         ("q", _p),
@@ -63,7 +63,7 @@ class PrefillLaunch(ctypes.Structure):
 
 
 class AppendLaunch(ctypes.Structure):
-    """Mirror of ``PwAppendLaunch`` (kernels/append_paged_kv.cu)."""
+    """Mirror of ``PwAppendLaunch`` (kernels/launch_blocks.cuh)."""
 
     _fields_ = [
         ("k", _p),
@@ -87,7 +87,7 @@ class AppendLaunch(ctypes.Structure):
 
 
 class PrepareLaunch(ctypes.Structure):
-    """Mirror of ``PwPrepareLaunch`` (kernels/prepare_qkv.cu)."""
+    """Mirror of ``PwPrepareLaunch`` (kernels/launch_blocks.cuh)."""
 
     scalars: tuple | None = None
     """The per-call scalars last written into the block (``write_prepare_scalars``), not a C field."""

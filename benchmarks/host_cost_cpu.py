@@ -52,7 +52,12 @@ def stub_library(directory: Path) -> ctypes.CDLL:
         getattr(lib, name).argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         getattr(lib, name).restype = ctypes.c_int
     lib.prefill = lib.pw_prefill_hd256_bf16_sm90  # the launcher ops.library picks on Hopper
-    lib.prepare_launcher_address = ctypes.cast(lib.pw_prepare_qkv, ctypes.c_void_p).value  # the call gate's
+    for name, launcher in (
+        ("prefill", lib.prefill),
+        ("append", lib.pw_append_paged_kv),
+        ("prepare", lib.pw_prepare_qkv),
+    ):
+        setattr(lib, f"{name}_launcher_address", ctypes.cast(launcher, ctypes.c_void_p).value)  # the call gate's
     return lib
 
 
@@ -67,8 +72,8 @@ def cuda_backend_on_cpu_tensors(lib: ctypes.CDLL):
     """Within the block ``backend="cuda"`` runs on CPU tensors: the backend's checks see a CUDA device, the kernels
     count as loaded, the launchers are ``lib``'s stubs, the current device and stream are the CPU's (None, 0), and
     a plan's buffer on the CPU is built once per plan, as its GPU mirror is (on the CPU it is otherwise a fresh
-    copy per call). Tensors report ``is_cuda`` (the test that sends a prep call to the compiled call gate, which
-    then checks the CPU tensors and calls ``lib``'s stub). Everything is put back on exit."""
+    copy per call). Tensors report ``is_cuda`` (the test that sends a call to the compiled call gate, which then
+    checks the CPU tensors and calls ``lib``'s stub). Everything is put back on exit."""
     resolve, device_buffer, library = api._resolve_backend, PrefillPagedPlan.device_buffer, ops.library
     load_state, libraries = dict(cuda_backend._load_state), dict(ops._by_device)
     current_device, current_stream = ops.current_device, ops.current_raw_stream

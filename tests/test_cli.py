@@ -213,7 +213,7 @@ def test_doctor_build_on_a_gpu_reports_the_library_and_the_kv_copy_path(capsys):
     assert main(["doctor", "--build"]) == 0
     out = capsys.readouterr().out
     assert "built or verified and loaded" in out and "(built and verified;" in out
-    assert "call gate: " in out and "(loaded; prep calls check and launch in one C call)" in out
+    assert "call gate: " in out and "(loaded; eager calls check and launch in one C call)" in out
     hopper = torch.cuda.get_device_capability() == (9, 0) and settings.prefill_kernel() != "mma_sync"
     assert f"K/V copy path, bf16 pool of page 16, 8 KV heads: {'tma' if hopper else 'cp.async'}" in out
     assert "K/V copy path, bf16 pool of page 5, 8 KV heads: cp.async" in out

@@ -1,6 +1,6 @@
 """GPU tests of the fused Gemma prep kernel (``kernels/prepare_qkv.cu``): against a float64 truth and the
 reference at every dtype, head_dim and norm style; untouched bytes; far positions; CUDA-graph replay across
-plan updates; torch.compile; opcheck; the auto backend's routing; the compiled call gate's launches and refusals."""
+plan updates; torch.compile; opcheck; the auto backend's routing."""
 
 import warnings
 
@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import pagedwindow as pw
-from pagedwindow.cuda import launch_gate, ops
 from pagedwindow.testing import random_batch
 
 pytestmark = pytest.mark.cuda
@@ -318,77 +317,3 @@ def test_auto_runs_the_kernel_and_falls_back_on_misaligned_tensors():
         fallback = _prep(b, shifted, b.k, b.v, b.pool.clone(), wq, wk, backend="auto")
     ref = _prep(b, b.q, b.k, b.v, b.pool.clone(), wq, wk, backend="reference")
     assert torch.equal(fallback, ref)
-
-
-def _no_checked_launch(*args, **kwargs):
-    raise AssertionError("the checked launch path ran: the call gate should have launched this call")
-
-
-def test_valid_calls_launch_through_the_call_gate(monkeypatch):
-    """The eager path's launches go through the compiled gate (the checked launcher is never reached), with or
-    without out_q, and give the checked path's bits."""
-    assert launch_gate.module() is not None, "the call gate did not build here (see the log's warning)"
-    b = _batch(12, dtype=torch.bfloat16, head_dim=256)
-    wq, wk = _weights(12, 256, torch.float32)  # fp32 weights on a bf16 pool
-    checked_pool = b.pool.clone()
-    checked = _prep(b, b.q, b.k, b.v, checked_pool, wq, wk, backend="cuda", norm_style="gemma3", factor=2.0)
-    monkeypatch.setattr(ops, "launch_prepare", _no_checked_launch)
-    for out_q in (None, torch.zeros(b.q.shape[0] + 3, *b.q.shape[1:], dtype=b.q.dtype, device="cuda")):
-        pool = b.pool.clone()
-        got = _prep(b, b.q, b.k, b.v, pool, wq, wk, backend="cuda", norm_style="gemma3", factor=2.0, out_q=out_q)
-        assert torch.equal(got, checked) and torch.equal(pool, checked_pool)
-        if out_q is not None:
-            assert got.data_ptr() == out_q.data_ptr() and not out_q[b.q.shape[0] :].any()
-
-
-def _bad_tensor_calls(b, wq, wk, out_q):
-    """(what is wrong, the call's tensors as keyword overrides, the error's text): one per tensor contract."""
-    q, k, v, pool = b.q, b.k, b.v, b.pool
-    shifted = torch.empty(q.numel() + 1, dtype=q.dtype, device="cuda")[1:].view(q.shape)
-    return [
-        ("q with too few heads", dict(q=q[:, :-1].contiguous()), "q shape"),
-        ("k in fp16", dict(k=k.half()), "k dtype"),
-        ("v not contiguous", dict(v=v.transpose(0, 1).contiguous().transpose(0, 1)), "v must be contiguous"),
-        ("q with too few rows", dict(q=q[:-1]), "q has"),
-        ("k on the CPU", dict(k=k.cpu()), "k is on cpu"),
-        ("q_norm_weight of the wrong size", dict(q_norm_weight=wq[:-2]), "q_norm_weight shape"),
-        ("k_norm_weight in fp16", dict(k_norm_weight=wk.half()), "k_norm_weight dtype"),
-        ("weights of two dtypes", dict(k_norm_weight=wk.float()), "must share a dtype"),
-        ("out_q that requires grad", dict(out_q=out_q.clone().requires_grad_()), "out_q requires grad"),
-        ("out_q sharing q's bytes", dict(out_q=q), "out_q overlaps q"),
-        ("a pool sharing k's bytes", dict(k=pool.view(-1)[: k.numel()].view(k.shape)), "pool overlaps k"),
-        ("q not 16-byte aligned", dict(q=shifted), "16-byte aligned"),
-        ("q not a tensor", dict(q=q.tolist()), "q must be a torch.Tensor"),
-    ]
-
-
-def test_each_bad_tensor_is_refused_with_the_checked_message_and_nothing_written(monkeypatch):
-    """The gate refuses every bad tensor, writes nothing, and the checked path names the error."""
-    assert launch_gate.module() is not None
-    b = _batch(13, dtype=torch.bfloat16, head_dim=256)
-    wq, wk = _weights(13, 256, torch.bfloat16)
-    out_q = torch.full_like(b.q, 7.0)
-    monkeypatch.setattr(ops, "launch_prepare", _no_checked_launch)  # a refused call must not launch either way
-    for what, overrides, message in _bad_tensor_calls(b, wq, wk, out_q):
-        call = dict(q=b.q, k=b.k, v=b.v, pool=b.pool, q_norm_weight=wq, k_norm_weight=wk, out_q=out_q) | overrides
-        pool_before, out_before = b.pool.clone(), call["out_q"].detach().clone()
-        with pytest.raises(pw.PagedWindowError, match=message):
-            pw.prepare_paged_qkv(
-                call["q"],
-                call["k"],
-                call["v"],
-                call["pool"],
-                b.layout,
-                b.layer,
-                b.plan,
-                q_norm_weight=call["q_norm_weight"],
-                k_norm_weight=call["k_norm_weight"],
-                eps=EPS,
-                rope_theta=THETA,
-                norm_style="gemma4",
-                out_q=call["out_q"],
-                backend="cuda",
-            )
-        torch.cuda.synchronize()
-        assert torch.equal(b.pool, pool_before), what
-        assert torch.equal(call["out_q"].detach(), out_before), what

@@ -40,7 +40,7 @@ def test_every_call_reaches_its_stub_launcher_and_everything_is_put_back(tmp_pat
     with host_cost_cpu.cuda_backend_on_cpu_tensors(lib):
         for call in named.values():
             call()
-        assert host_cost_cpu.stub_calls(lib) == {  # the prep through the call gate, the others through ctypes
+        assert host_cost_cpu.stub_calls(lib) == {  # each through the call gate
             "pw_prefill_hd256_bf16": 0,
             "pw_prefill_hd256_bf16_sm90": 1,
             "pw_append_paged_kv": 1,

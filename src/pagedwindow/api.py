@@ -15,9 +15,9 @@ Host cost: a call re-checks everything, but what depends only on the pool is cac
 by the layout, layer and the pool's dtype, shape and contiguity) and what depends only on the plan is computed once
 per plan update (the kernels' parameter block). Within a call each tensor's address is read once (one pass feeds the
 overlap check and, folded into one OR, the backend's alignment check), each expected shape is built once and
-``torch.compiler.is_compiling()`` is asked once. An eager ``prepare_paged_qkv`` on a GPU pool hands its tensors to
-the CUDA backend's compiled call gate first, which checks them all and launches in one C call; when the gate
-refuses (nothing written), the checks here run and raise.
+``torch.compiler.is_compiling()`` is asked once. An eager call on a GPU pool hands its tensors to the CUDA
+backend's compiled call gate once the scalars, the plan and the pool are checked; the gate checks the tensors and
+launches in one C call. When it refuses (nothing written), the checks here run and raise.
 """
 
 from __future__ import annotations
@@ -272,6 +272,28 @@ def _check_prefill(q, pool, layout, layer, plan, *, sm_scale, window_left, out, 
     return sm_scale, window_left, geometry, q_shape, chosen, compiling
 
 
+def _gated_prefill(q, pool, layout, layer, plan, sm_scale, window_left, out, lse) -> torch.Tensor | None:
+    """An eager attention call on a GPU pool through the CUDA backend's compiled call gate: the scalar and plan
+    checks here (``_check_prefill``'s first ones, in its order, so they raise what it would), the tensors' in the
+    gate, which launches. Returns the output; None when the call was not launched (nothing written): the checked
+    path then runs."""
+    what = "batch_prefill_paged_window"
+    sm_scale = check_sm_scale(sm_scale)
+    window_left = check_window_left(window_left)
+    state, geometry = _plan_on_pool(what, plan, layout, pool, layer)
+    rows = state.total_tokens
+    if not rows or not pool.is_cuda:
+        return None
+    if out is None:
+        out = torch.empty((rows, state.num_qo_heads, state.head_dim), dtype=pool.dtype, device=pool.device)
+    launched = _cuda_backend().batch_prefill_paged_window_gated(
+        q, pool, geometry, plan, state, sm_scale=sm_scale, window_left=window_left, out=out, lse=lse
+    )
+    if not launched:
+        return None
+    return out if out.shape[0] == rows else out[:rows]
+
+
 def check_batch_prefill_paged_window(
     q: torch.Tensor,
     pool: torch.Tensor,
@@ -316,6 +338,10 @@ def batch_prefill_paged_window(
     ``[rows >= total_tokens, num_qo_heads]``, natural-log logsumexp of the scaled logits. A plan with no new rows
     returns at once (after the checks).
     """
+    if (backend == "auto" or backend == "cuda") and not prefill_observers and not torch.compiler.is_compiling():
+        launched = _gated_prefill(q, pool, layout, layer, plan, sm_scale, window_left, out, lse)
+        if launched is not None:
+            return launched
     sm_scale, window_left, geometry, q_shape, chosen, compiling = _check_prefill(
         q, pool, layout, layer, plan, sm_scale=sm_scale, window_left=window_left, out=out, lse=lse, backend=backend
     )
@@ -356,6 +382,11 @@ def append_paged_kv(
     what = "append_paged_kv"
     state, geometry = _plan_on_pool(what, plan, layout, pool, layer)
     rows = state.total_tokens
+    if rows and (backend == "auto" or backend == "cuda") and pool.is_cuda and not torch.compiler.is_compiling():
+        # The compiled gate checks the tensors and launches in one C call; when it refuses (nothing written), the
+        # checks below run and name the error, or launch the checked way.
+        if _cuda_backend().append_paged_kv_gated(k, v, pool, geometry, plan, state):
+            return
     kv_shape = (rows, state.num_kv_heads, state.head_dim)
     dtype, device = pool.dtype, pool.device
     _check_rows(what, "k", k, kv_shape, dtype, device)

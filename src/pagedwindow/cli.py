@@ -262,11 +262,11 @@ def doctor(*, build_kernels: bool = False) -> int:
         gate = launch_gate.module()
         if gate is None:
             reason = launch_gate.unavailable_reason()
-            print(f"call gate: unavailable, prep calls take the checked Python path: {reason}")
+            print(f"call gate: unavailable, calls take the checked Python path: {reason}")
         else:
-            print(f"call gate: {gate.__file__} (loaded; prep calls check and launch in one C call)")
+            print(f"call gate: {gate.__file__} (loaded; eager calls check and launch in one C call)")
     else:
-        print("call gate: built on the first prep call (doctor --build builds it now)")
+        print("call gate: built on the first eager call (doctor --build builds it now)")
     from .layout import PagedKvLayout, checked_paged_geometry
 
     for page_size in (16, 5):  # the K/V copy path depends on the pool: one that allows bulk copies, one that not

@@ -127,14 +127,14 @@ def kv_copy_path(pool: torch.Tensor, geometry: PagedGeometry, num_kv_heads: int)
     return "tma" if mode == 1 else "cp.async"
 
 
-def _prefill_block(plan: PrefillPagedPlan, device: torch.device, buffer: torch.Tensor):
+def _prefill_block(plan: PrefillPagedPlan, device: torch.device) -> ops.PrefillLaunch:
     """The plan's prefill parameter block on ``device``, built once per plan update (``plan.launch_cache``)."""
     key = ("prefill", device.index)
     block = plan.launch_cache.get(key)
     if block is None:
         workspace, counters = plan.split_kv_workspace(device) or (None, None)
         block = plan.launch_cache[key] = ops.prefill_block(
-            buffer,
+            plan.device_buffer(device),
             plan.capacity.segment_offsets(),
             page_size=plan.page_size,
             num_qo_heads=plan.num_qo_heads,
@@ -163,13 +163,12 @@ def batch_prefill_paged_window(
     under ``torch.compile`` (``compiling``: ``torch.compiler.is_compiling()``, as the caller read it) the custom
     op is what gets traced."""
     device = q.device
-    buffer = plan.device_buffer(device)  # uploaded once per plan update; stable address
     if compiling:
         workspace, counters = plan.split_kv_workspace(device) or (None, None)
         ops.prefill_hd256(
             q,
             pool,
-            buffer,
+            plan.device_buffer(device),  # uploaded at each plan update; stable address
             out,
             lse,
             workspace,
@@ -188,7 +187,7 @@ def batch_prefill_paged_window(
         )
         return
     ops.launch_prefill(
-        _prefill_block(plan, device, buffer),
+        _prefill_block(plan, device),
         q,
         pool,
         out,
@@ -203,9 +202,9 @@ def batch_prefill_paged_window(
 
 def append_paged_kv(k, v, pool, geometry: PagedGeometry, plan: PrefillPagedPlan, *, compiling: bool) -> None:
     """Launch the pool write (eager: the launcher directly; ``compiling``: the custom op)."""
-    buffer = plan.device_buffer(k.device)
-    cap = plan.capacity
     if compiling:
+        buffer = plan.device_buffer(k.device)
+        cap = plan.capacity
         ops.append_paged_kv(
             k,
             v,
@@ -222,11 +221,18 @@ def append_paged_kv(k, v, pool, geometry: PagedGeometry, plan: PrefillPagedPlan,
             cap.max_total_tokens,
         )
         return
-    key = ("append", k.device.index)
+    block = _append_block(plan, k.device)
+    ops.launch_append(block, k, v, pool, geometry.k_offset, geometry.v_offset, geometry.page_stride)
+
+
+def _append_block(plan: PrefillPagedPlan, device: torch.device) -> ops.AppendLaunch:
+    """The plan's pool-write parameter block on ``device``, built once per plan update (``plan.launch_cache``)."""
+    key = ("append", device.index)
     block = plan.launch_cache.get(key)
     if block is None:
+        cap = plan.capacity
         block = plan.launch_cache[key] = ops.append_block(
-            buffer,
+            plan.device_buffer(device),
             cap.segment_offsets(),
             page_size=plan.page_size,
             num_kv_heads=plan.num_kv_heads,
@@ -234,7 +240,7 @@ def append_paged_kv(k, v, pool, geometry: PagedGeometry, plan: PrefillPagedPlan,
             batch_capacity=cap.max_batch,
             token_capacity=cap.max_total_tokens,
         )
-    ops.launch_append(block, k, v, pool, geometry.k_offset, geometry.v_offset, geometry.page_stride)
+    return block
 
 
 def prepare_paged_qkv(
@@ -323,6 +329,84 @@ def _prepare_block(plan: PrefillPagedPlan, device: torch.device) -> ops.PrepareL
     return block
 
 
+def _gate_on(device: torch.device):
+    """``(the call gate, the kernels' library)`` for an eager launch on ``device`` now; None when the gate is not
+    built here, the kernels are not loaded, or ``device`` is not the current device (the checked path then runs)."""
+    gate = launch_gate.module()
+    if gate is None or _load_error() is not None or device.index != ops.current_device():
+        return None
+    return gate, ops.library(device)  # loaded (checked above): a dict lookup
+
+
+def _gated(gate, lib, code: int, name: str, error_string: str) -> bool:
+    """True when the gate launched (status 0), False when it refused; raises the launcher's error (``name``,
+    with ``lib``'s status text from its function ``error_string``)."""
+    if code == 0:
+        return True
+    if code == gate.REFUSED:
+        return False
+    raise ops.launch_error(code, name, getattr(lib, error_string))
+
+
+def batch_prefill_paged_window_gated(
+    q, pool, geometry: PagedGeometry, plan: PrefillPagedPlan, state, *, sm_scale: float, window_left: int, out, lse
+) -> bool:
+    """Launch the attention through the compiled call gate (``launch_gate``), eagerly; True once launched.
+
+    For a call whose plan (``state``: its ``plan.state``), pool and scalars the API has checked, with
+    ``state.total_tokens`` > 0 and the pool on a CUDA device, and ``out`` given (the API allocates it). The gate
+    checks q, out and lse (every contract ``api.batch_prefill_paged_window`` checks per tensor, and the kernels'
+    alignment) and launches on the current stream. False, with nothing written or launched, when the gate is not
+    built here, the kernels cannot run this call (not loaded, another dtype, head_dim or tile, the pool's device
+    not the current one) or a tensor check fails: the caller then runs the checked path."""
+    device = pool.device
+    gate_lib = _gate_on(device)
+    if gate_lib is None or pool.dtype not in PREFILL_DTYPES or state.head_dim != PREFILL_HEAD_DIM:
+        return False
+    if plan.cta_tile_q not in SUPPORTED_CTA_TILE_Q:
+        return False
+    gate, lib = gate_lib
+    block = _prefill_block(plan, device)
+    ops.write_prefill_scalars(block, geometry.k_offset, geometry.v_offset, geometry.page_stride, sm_scale, window_left)
+    code = gate.prefill(
+        q,
+        pool,
+        out,
+        lse,
+        state.total_tokens,
+        state.num_qo_heads,
+        state.head_dim,
+        block.address,
+        lib.prefill_launcher_address,
+        ops.current_raw_stream(device.index),
+    )
+    return _gated(gate, lib, code, lib.prefill.__name__, "pw_prefill_hd256_error_string")  # one status table
+
+
+def append_paged_kv_gated(k, v, pool, geometry: PagedGeometry, plan: PrefillPagedPlan, state) -> bool:
+    """Launch the pool write through the compiled call gate, eagerly; True once launched. The same contract as
+    :func:`batch_prefill_paged_window_gated`, for ``api.append_paged_kv``'s tensors (k, v, the pool)."""
+    device = pool.device
+    gate_lib = _gate_on(device)
+    if gate_lib is None or pool.dtype not in APPEND_DTYPES:
+        return False
+    gate, lib = gate_lib
+    block = _append_block(plan, device)
+    ops.write_append_scalars(block, geometry.k_offset, geometry.v_offset, geometry.page_stride)
+    code = gate.append(
+        k,
+        v,
+        pool,
+        state.total_tokens,
+        state.num_kv_heads,
+        state.head_dim,
+        block.address,
+        lib.append_launcher_address,
+        ops.current_raw_stream(device.index),
+    )
+    return _gated(gate, lib, code, "pw_append_paged_kv", "pw_append_paged_kv_error_string")
+
+
 def prepare_paged_qkv_gated(
     q,
     k,
@@ -340,23 +424,14 @@ def prepare_paged_qkv_gated(
     norm_style: str,
     out_q,
 ) -> bool:
-    """Launch the fused prep through the compiled call gate (``launch_gate``), eagerly; True once launched.
-
-    For a call whose plan (``state``: its ``plan.state``), pool and scalars the API has checked, with
-    ``state.total_tokens`` > 0 and the pool on a CUDA device. The gate
-    checks the tensors (every contract ``api.prepare_paged_qkv`` checks per tensor, and the kernels' alignment)
-    and launches on the current stream. False, with nothing written or launched, when the gate is not built here,
-    the kernels cannot run this call (not loaded, an unsupported dtype or head_dim, the pool's device not the
-    current one) or a tensor check fails: the caller then runs the checked path."""
-    gate = launch_gate.module()
-    if gate is None or _load_error() is not None:
-        return False
-    if pool.dtype not in PREPARE_DTYPES or state.head_dim not in PREPARE_HEAD_DIMS:
-        return False
+    """Launch the fused prep through the compiled call gate, eagerly; True once launched. The same contract as
+    :func:`batch_prefill_paged_window_gated`, for ``api.prepare_paged_qkv``'s tensors (q, k, v, the pool, out_q
+    and the norm weights; the kernels run bf16, fp16 and fp32 at head_dim 64 to 512)."""
     device = pool.device
-    index = device.index
-    if index != ops.current_device():
+    gate_lib = _gate_on(device)
+    if gate_lib is None or pool.dtype not in PREPARE_DTYPES or state.head_dim not in PREPARE_HEAD_DIMS:
         return False
+    gate, lib = gate_lib
     block = _prepare_block(plan, device)
     ops.write_prepare_scalars(
         block,
@@ -368,7 +443,6 @@ def prepare_paged_qkv_gated(
         rope_position_factor,
         norm_style,
     )
-    lib = ops.library(device)  # loaded (checked above): a dict lookup
     code = gate.prepare(
         q,
         k,
@@ -383,10 +457,6 @@ def prepare_paged_qkv_gated(
         state.head_dim,
         block.address,
         lib.prepare_launcher_address,
-        ops.current_raw_stream(index),
+        ops.current_raw_stream(device.index),
     )
-    if code == 0:
-        return True
-    if code == gate.REFUSED:
-        return False
-    raise ops.launch_error(code, "pw_prepare_qkv", lib.pw_prepare_qkv_error_string)
+    return _gated(gate, lib, code, "pw_prepare_qkv", "pw_prepare_qkv_error_string")

@@ -4,9 +4,10 @@ headers (no nvcc, no CUDA headers: it builds on any machine with torch and a com
 
 The gate is a fast path in front of the checked Python path, never a replacement for it: when any of its checks
 fails it launches and writes nothing and returns ``REFUSED``, and the caller runs the Python checks, which name
-the error. It is at least as strict as those checks (``tests/test_launch_gate.py`` drives each contract through
-both). Wherever the gate cannot be built or loaded (no compiler, no Python headers), :func:`module` returns None
-once the failure is logged, and every call takes the Python path.
+the error. It is at least as strict as those checks (``tests/test_launch_gate.py`` drives each refusal on a CPU,
+``tests/test_cuda_launch_gate.py`` the API's calls through both on a GPU). Wherever the gate cannot be built
+or loaded (no compiler, no Python headers), :func:`module` returns None once the failure is logged, and every
+call takes the Python path.
 
 The build is cached beside the kernels' (``$PAGEDWINDOW_CACHE_DIR``), one directory per key,
 ``launch-gate-<key>/``: the module, named ``pagedwindow_launch_gate<EXT_SUFFIX>``, and ``manifest.json`` (its size,
@@ -141,16 +142,21 @@ def build_module() -> Path:
 
 
 def _load(path: Path) -> ModuleType:
-    """Import the built module and check that it and ``ops`` agree on the prep's launch block."""
+    """Import the built module and check that it and ``ops`` agree on the launch blocks' sizes."""
     loader = importlib.machinery.ExtensionFileLoader(MODULE_NAME, str(path))
     spec = importlib.util.spec_from_file_location(MODULE_NAME, path, loader=loader)
     gate = importlib.util.module_from_spec(spec)
     loader.exec_module(gate)
-    if gate.PREPARE_LAUNCH_BYTES != ctypes.sizeof(ops.PrepareLaunch):
-        raise ImportError(
-            f"{path}: PwPrepareLaunch has {gate.PREPARE_LAUNCH_BYTES} bytes but the host's PrepareLaunch "
-            f"{ctypes.sizeof(ops.PrepareLaunch)} (a stale or foreign build)"
-        )
+    for name, block in (
+        ("PREFILL_LAUNCH_BYTES", ops.PrefillLaunch),
+        ("APPEND_LAUNCH_BYTES", ops.AppendLaunch),
+        ("PREPARE_LAUNCH_BYTES", ops.PrepareLaunch),
+    ):
+        if getattr(gate, name) != ctypes.sizeof(block):
+            raise ImportError(
+                f"{path}: {name} = {getattr(gate, name)} but the host's {block.__name__} has "
+                f"{ctypes.sizeof(block)} bytes (a stale or foreign build)"
+            )
     return gate
 
 

@@ -34,6 +34,12 @@ PREPARE_MAX_HALF = MAX_HEAD_DIM // 2  # inverse frequencies the prep's launch bl
 class PrefillLaunch(ctypes.Structure):
     """Mirror of ``PwPrefillLaunch`` (kernels/launch_blocks.cuh)."""
 
+    scalars: tuple | None = None
+    """The per-call scalars last written into the block (``write_prefill_scalars``), not a C field."""
+    address: int = 0
+    """The block's own address (``prefill_block`` sets it), what the compiled call gate writes into; not a C
+    field."""
+
     _fields_ = [
         ("q", _p),
         ("out", _p),
@@ -64,6 +70,11 @@ class PrefillLaunch(ctypes.Structure):
 
 class AppendLaunch(ctypes.Structure):
     """Mirror of ``PwAppendLaunch`` (kernels/launch_blocks.cuh)."""
+
+    scalars: tuple | None = None
+    """The per-call scalars last written into the block (``write_append_scalars``), not a C field."""
+    address: int = 0
+    """The block's own address (``append_block`` sets it); not a C field."""
 
     _fields_ = [
         ("k", _p),
@@ -163,7 +174,8 @@ def load(path) -> ctypes.CDLL:
                 f"{path}: {name}() = {getattr(lib, name)()} but the host's {block.__name__} has "
                 f"{ctypes.sizeof(block)} bytes (a stale or foreign library)"
             )
-    lib.prepare_launcher_address = ctypes.cast(lib.pw_prepare_qkv, _p).value  # what the call gate calls
+    lib.append_launcher_address = ctypes.cast(lib.pw_append_paged_kv, _p).value  # what the call gate calls
+    lib.prepare_launcher_address = ctypes.cast(lib.pw_prepare_qkv, _p).value
     lib.pw_prefill_hd256_sm90_kv_copy_mode.argtypes = [_p, _ll, _ll, _ll, _i, _i]
     lib.pw_prefill_hd256_sm90_kv_copy_mode.restype = _i
     for name in (
@@ -189,6 +201,7 @@ def library(device: torch.device) -> ctypes.CDLL:
         if lib is None:
             lib = load_verified(target, load)  # a cached library that fails to load is rebuilt once
             lib.prefill = getattr(lib, prefill_entry(target))
+            lib.prefill_launcher_address = ctypes.cast(lib.prefill, _p).value
             _libraries[target] = lib
         _by_device[index] = lib
     return lib
@@ -244,7 +257,7 @@ def prefill_block(
     base = plan_buffer.data_ptr()
     scalars, page_indptr, last, qo_indptr, requests, qo_tiles, pages = (base + 4 * o for o in segment_offsets)
     units = 0 if workspace is None or split_counters is None else len(split_counters)
-    return PrefillLaunch(
+    block = PrefillLaunch(
         workspace=workspace.data_ptr() if units else None,
         split_counters=split_counters.data_ptr() if units else None,
         workspace_units=units,
@@ -261,6 +274,8 @@ def prefill_block(
         grid_tiles=grid_tiles,
         cta_tile_q=cta_tile_q,
     )
+    block.address = ctypes.addressof(block)
+    return block
 
 
 def append_block(
@@ -276,7 +291,7 @@ def append_block(
     """A pool-write parameter block with the plan's pointers and sizes filled."""
     base = plan_buffer.data_ptr()
     scalars, page_indptr, last, qo_indptr, _, _, pages = (base + 4 * o for o in segment_offsets)
-    return AppendLaunch(
+    block = AppendLaunch(
         page_indices=pages,
         page_indptr=page_indptr,
         last_page_len=last,
@@ -288,6 +303,8 @@ def append_block(
         batch_capacity=batch_capacity,
         token_capacity=token_capacity,
     )
+    block.address = ctypes.addressof(block)
+    return block
 
 
 def prepare_block(
@@ -339,6 +356,26 @@ def _inv_freq_field(head_dim: int, rope_theta: float, rope_position_factor: floa
 # -- direct launches (the eager path) -----------------------------------------------------------------------------
 
 
+def write_prefill_scalars(
+    block: PrefillLaunch, k_offset: int, v_offset: int, page_stride: int, sm_scale: float, window_left: int
+) -> None:
+    """Write the attention's checked per-call scalars into ``block`` (the pool's offsets and page stride in
+    elements, the scale, the window), only when they change."""
+    scalars = (k_offset, v_offset, page_stride, sm_scale, window_left)
+    if block.scalars != scalars:
+        block.k_offset, block.v_offset, block.page_stride = k_offset, v_offset, page_stride
+        block.sm_scale, block.window_left = sm_scale, window_left
+        block.scalars = scalars
+
+
+def write_append_scalars(block: AppendLaunch, k_offset: int, v_offset: int, page_stride: int) -> None:
+    """Write the pool write's checked per-call scalars into ``block``, only when they change."""
+    scalars = (k_offset, v_offset, page_stride)
+    if block.scalars != scalars:
+        block.k_offset, block.v_offset, block.page_stride = k_offset, v_offset, page_stride
+        block.scalars = scalars
+
+
 def launch_prefill(
     block: PrefillLaunch,
     q: torch.Tensor,
@@ -354,8 +391,7 @@ def launch_prefill(
     """Fill the per-call fields of ``block`` and launch on ``q``'s device's current stream."""
     block.q, block.out, block.pool = q.data_ptr(), out.data_ptr(), pool.data_ptr()
     block.lse = lse.data_ptr() if lse is not None else None
-    block.k_offset, block.v_offset, block.page_stride = k_offset, v_offset, page_stride
-    block.sm_scale, block.window_left = sm_scale, window_left
+    write_prefill_scalars(block, k_offset, v_offset, page_stride, sm_scale, window_left)
     lib = _by_device.get(q.device.index) or library(q.device)
     code = _launch_on(q.device, lib.prefill, block)
     if code != 0:
@@ -373,7 +409,7 @@ def launch_append(
 ) -> None:
     """Fill the per-call fields of ``block`` and launch the pool write on ``k``'s device's current stream."""
     block.k, block.v, block.pool = k.data_ptr(), v.data_ptr(), pool.data_ptr()
-    block.k_offset, block.v_offset, block.page_stride = k_offset, v_offset, page_stride
+    write_append_scalars(block, k_offset, v_offset, page_stride)
     block.elem_bytes = k.element_size()
     lib = _by_device.get(k.device.index) or library(k.device)
     code = _launch_on(k.device, lib.pw_append_paged_kv, block)

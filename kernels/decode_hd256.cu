@@ -578,7 +578,7 @@ extern "C" void pw_decode_trace_layout(int* out) {
 
 // Launch the decode kernel for a checked parameter block (pw_prefill_prepare) on the current device:
 // a persistent grid of at most the CTAs the device holds, never more than the plan's units can use.
-int pw_decode_hd256_launch(const PwPrefillParams& p, int grid_tiles, cudaStream_t stream) {
+int pw_decode_hd256_launch(const PwPrefillParams& p, int grid_tiles, int max_tile_splits, cudaStream_t stream) {
   using namespace pw_decode;
   int device = 0;
   cudaError_t e = cudaGetDevice(&device);
@@ -594,7 +594,16 @@ int pw_decode_hd256_launch(const PwPrefillParams& p, int grid_tiles, cudaStream_
   const long long capacity_items = static_cast<long long>(grid_tiles) * p.num_kv_heads;
   long long capacity_splits = capacity_items > 0 ? p.workspace_units / capacity_items : 0;
   if (capacity_splits > kMaxSplits) capacity_splits = kMaxSplits;
-  const bool merge_after = capacity_splits > kGridMergeMaxSplits;
+  bool merge_after = capacity_splits > kGridMergeMaxSplits;
+  // An eager launch whose plan update bounds every live tile at kGridMergeMaxSplits splits or fewer has nothing
+  // for the merge grid (a one-key decode step, above all): it runs none. Under stream capture the capacity's rule
+  // holds, since the graph replays after later updates.
+  if (merge_after && max_tile_splits > 0 && max_tile_splits <= kGridMergeMaxSplits) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    e = cudaStreamIsCapturing(stream, &capture);
+    if (e != cudaSuccess) return static_cast<int>(e);
+    merge_after = capture != cudaStreamCaptureStatusNone;
+  }
   pw_decode_hd256_kernel<<<grid, kThreads, kSmemBytes, stream>>>(p, merge_after);
   if (!merge_after) return static_cast<int>(cudaGetLastError());
   e = cudaGetLastError();

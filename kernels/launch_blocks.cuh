@@ -68,6 +68,10 @@ struct PwPrefillLaunch {
   float* workspace;     // [workspace_units, 16 rows, 256 + 1] fp32 scratch, or NULL when workspace_units is 0
   int* split_counters;  // [workspace_units] int32, all zero before a launch (every launch leaves them zero)
   int workspace_units;  // 0: tiles are never split (the other tiles ignore all three fields)
+  // The host's bound on any live tile's splits at this plan update (0: none given). An eager decode launch skips
+  // the merge grid when it is at most kGridMergeMaxSplits (decode_hd256.cu); a launch under stream capture
+  // keeps the capacity's rule, since its graph replays after later updates.
+  int max_tile_splits;
 };
 
 // The launch parameter block (mirrored by a ctypes.Structure in src/pagedwindow/cuda/ops.py; the host checks

@@ -404,7 +404,9 @@ extern "C" int pw_prefill_hd256_bf16(const PwPrefillLaunch* a, void* stream) {
   cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) return static_cast<int>(e);
   switch (a->cta_tile_q) {
-    case 16: return pw_decode_hd256_launch(p, grid_tiles, s);  // the split-KV decode kernel (decode_hd256.cu)
+    case 16:
+      return pw_decode_hd256_launch(p, grid_tiles, a->max_tile_splits,
+                                    s);  // the split-KV decode kernel (decode_hd256.cu)
     case 64: {
       int stages = 1;
       const int rc = stages_for_device(device, &stages);

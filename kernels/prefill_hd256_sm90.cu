@@ -347,7 +347,7 @@ extern "C" int pw_prefill_hd256_bf16_sm90(const PwPrefillLaunch* a, void* stream
     case 16: {  // the split-KV decode kernel (decode_hd256.cu), behind the same device/binary check
       const int rc = check_arch<64, 1>(device);
       if (rc != 0) return rc;
-      return grid_tiles == 0 ? PW_PREFILL_OK : pw_decode_hd256_launch(p, grid_tiles, s);
+      return grid_tiles == 0 ? PW_PREFILL_OK : pw_decode_hd256_launch(p, grid_tiles, a->max_tile_splits, s);
     }
     case 64: return launch<64, 1>(p, grid_tiles, device, s);
     default:  // 128

@@ -16,8 +16,8 @@ enum PwPrefillStatus {
   PW_PREFILL_OK = 0,
   PW_PREFILL_ERR_NULL_POINTER = -1,       // a required pointer is NULL (lse may be NULL; the workspace when it has
                                           // no units)
-  PW_PREFILL_ERR_NONPOSITIVE_SIZE = -2,   // page_size, num_qo_heads, num_kv_heads, page_stride < 1, grid_tiles < 0
-                                          // or workspace_units < 0
+  PW_PREFILL_ERR_NONPOSITIVE_SIZE = -2,   // page_size, num_qo_heads, num_kv_heads, page_stride < 1, grid_tiles < 0,
+                                          // workspace_units < 0 or max_tile_splits < 0
   PW_PREFILL_ERR_HEAD_RATIO = -3,         // num_qo_heads % num_kv_heads != 0
   PW_PREFILL_ERR_UNSUPPORTED_TILE = -4,   // cta_tile_q not in {16, 64, 128}
   PW_PREFILL_ERR_MISALIGNED = -5,         // q/out/pool/workspace not 16-byte aligned, lse/split_counters not
@@ -67,7 +67,7 @@ static inline int pw_prefill_prepare(const PwPrefillLaunch* a, PwPrefillParams* 
       a->request_indices == nullptr || a->qo_tile_indices == nullptr || a->plan_scalars == nullptr)
     return PW_PREFILL_ERR_NULL_POINTER;
   if (a->page_size < 1 || a->num_qo_heads < 1 || a->num_kv_heads < 1 || a->page_stride < 1 || a->grid_tiles < 0 ||
-      a->workspace_units < 0)
+      a->workspace_units < 0 || a->max_tile_splits < 0)
     return PW_PREFILL_ERR_NONPOSITIVE_SIZE;
   if (a->workspace_units > 0 && (a->workspace == nullptr || a->split_counters == nullptr))
     return PW_PREFILL_ERR_NULL_POINTER;
@@ -112,8 +112,9 @@ static inline int pw_prefill_prepare(const PwPrefillLaunch* a, PwPrefillParams* 
 }
 
 // Launch the split-KV decode kernel (decode_hd256.cu) for a block pw_prefill_prepare checked, with cta_tile_q 16,
-// on the current device; returns 0, a negative status or a cudaError_t. Both prefill launchers call it for 16.
-int pw_decode_hd256_launch(const PwPrefillParams& p, int grid_tiles, cudaStream_t stream);
+// on the current device (max_tile_splits: the block's); returns 0, a negative status or a cudaError_t. Both
+// prefill launchers call it for 16.
+int pw_decode_hd256_launch(const PwPrefillParams& p, int grid_tiles, int max_tile_splits, cudaStream_t stream);
 
 // Human-readable text of a status returned by either prefill launcher.
 static inline const char* pw_prefill_status_string(int code) {
@@ -121,7 +122,8 @@ static inline const char* pw_prefill_status_string(int code) {
     case PW_PREFILL_OK: return "ok";
     case PW_PREFILL_ERR_NULL_POINTER: return "a required pointer is NULL";
     case PW_PREFILL_ERR_NONPOSITIVE_SIZE:
-      return "page_size, num_qo_heads, num_kv_heads or page_stride < 1, or grid_tiles or workspace_units < 0";
+      return "page_size, num_qo_heads, num_kv_heads or page_stride < 1, or grid_tiles, workspace_units or "
+             "max_tile_splits < 0";
     case PW_PREFILL_ERR_HEAD_RATIO: return "num_qo_heads is not a multiple of num_kv_heads";
     case PW_PREFILL_ERR_UNSUPPORTED_TILE: return "cta_tile_q is not 16, 64 or 128";
     case PW_PREFILL_ERR_MISALIGNED:

@@ -242,6 +242,54 @@ def test_cuda_graph_replay_across_every_update_equals_eager(tile, csr_device):
         )
 
 
+def _kernels_run(step) -> list[str]:
+    """The names of the kernels one call of ``step`` launches (the profiler's CUDA events)."""
+    step()  # built and warm
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def test_an_eager_decode_launch_runs_the_merge_grid_only_when_a_tile_can_need_it():
+    """With a tile capacity that splits a tile more than 16 ways, an eager launch whose plan can give no tile more
+    than 16 splits (one key) runs no merge grid, and one whose plan can (4 001 keys) does; both equal the
+    reference."""
+    hq, hkv, ps, num_pages = 8, 2, 16, 600
+    plan = pw.PrefillPagedPlan.preallocated(
+        max_total_tokens=2, max_total_pages=num_pages, max_batch=2, max_tiles=2, device="cuda"
+    )
+    layout = pw.PagedKvLayout(1, hkv, D, ps)
+    pool = layout.allocate(num_pages, torch.bfloat16, "cuda")
+    gen = torch.Generator().manual_seed(5)
+    cases = update_cases(
+        gen, [("one key", [1], [0]), ("4 001 keys", [1], [4000])], page_size=ps, num_qo_heads=hq,
+        num_kv_heads=hkv, num_pages=num_pages,
+    )  # fmt: skip
+    for (name, case), merge_grid in zip(cases, (False, True)):
+        case.append(backend="reference")
+        p = case.plan
+        plan.update_csr(
+            p.qo_indptr, p.page_indptr, p.page_indices, p.last_page_len,
+            num_qo_heads=hq, num_kv_heads=hkv, head_dim=D, page_size=ps,
+        )  # fmt: skip
+        pool.copy_(case.pool)
+        out = torch.empty(p.total_tokens, hq, D, dtype=torch.bfloat16, device="cuda")
+
+        def step(case=case, out=out):
+            pw.batch_prefill_paged_window(
+                case.q, pool, layout, 0, plan, sm_scale=SM_SCALE, window_left=-1, out=out, backend="cuda"
+            )
+
+        names = _kernels_run(step)
+        assert any("pw_decode_hd256_kernel" in n for n in names), f"{name}: {names}"
+        assert any("pw_decode_merge_kernel" in n for n in names) == merge_grid, f"{name}: {names}"
+        exact = dense_attention(case, sm_scale=SM_SCALE, window_left=-1)
+        plain = dense_attention(case, sm_scale=SM_SCALE, window_left=-1, dtype=torch.bfloat16)
+        assert max_abs_err(out, exact) <= error_bound(max_abs_err(plain, exact)), name
+
+
 # Decode updates under one graph whose plan's tile capacity (2 tiles x 2 KV heads) splits a tile more ways than
 # the decode grid merges itself, so that its launch runs the merge grid: (seq_lens, start_positions) per update.
 MERGE_GRID_UPDATES = [

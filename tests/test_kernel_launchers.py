@@ -45,6 +45,7 @@ GOOD_PREFILL = dict(
     workspace=None,
     split_counters=None,
     workspace_units=0,
+    max_tile_splits=0,
 )
 
 
@@ -66,7 +67,8 @@ GOOD_PREFILL = dict(
         (dict(v_offset=-8), -9, "offset"),
         (dict(num_kv_heads=65536, num_qo_heads=65536), -11, "65535"),
         # the decode kernel's workspace (tile 16), checked for every tile
-        (dict(workspace_units=-1), -2, "workspace_units < 0"),
+        (dict(workspace_units=-1), -2, "workspace_units or max_tile_splits < 0"),
+        (dict(max_tile_splits=-1), -2, "workspace_units or max_tile_splits < 0"),
         (dict(workspace_units=4, split_counters=ALIGNED), -1, "NULL"),
         (dict(workspace_units=4, workspace=ALIGNED), -1, "NULL"),
         (dict(workspace_units=4, workspace=ALIGNED + 4, split_counters=ALIGNED, cta_tile_q=16), -5, "workspace"),

@@ -90,6 +90,31 @@ def test_the_policy_reads_the_decode_kernels_split_rule():
     assert decode_macro_default("PW_DECODE_MAX_SPLITS") == tiles.SPLIT_KV_MAX_SPLITS
     assert decode_constant("kRows") == tiles.SPLIT_KV_TILE
     assert 2 * decode_macro_default("PW_DECODE_MIN_STEPS_PER_SPLIT") * decode_constant("kSteps") == tiles.SPLIT_MIN_KEYS
+    assert decode_macro_default("PW_DECODE_MIN_STEPS_PER_SPLIT") == tiles.SPLIT_MIN_STEPS
+    assert decode_constant("kSteps") == tiles.SPLIT_STEP_KEYS
+
+
+@pytest.mark.parametrize(
+    ("tiles_", "kv_heads", "pages", "units", "bound"),
+    [
+        (1, 8, 1, 528, 1),  # one key on one page of 16: one step, no split
+        (1, 8, 2, 528, 1),  # 32 keys: two steps, one split
+        (1, 8, 4, 528, 2),  # 64 keys: four steps, two splits
+        (1, 8, 256, 528, 64),  # 4 096 keys: 128 by the keys, 66 by the units, 64 at most
+        (2, 2, 600, 528, 64),
+        (4, 8, 1024, 528, 16),  # four requests on 4 096 keys each: 528 units // 32 items
+        (64, 8, 16384, 528, 1),
+    ],
+)
+def test_max_tile_splits_bounds_the_decode_kernels_split_count(tiles_, kv_heads, pages, units, bound):
+    """``min(kMaxSplits, units // items, steps // kMinStepsPerSplit)`` over the most keys a tile can see (the
+    plan's pages): the bound with which an eager decode launch skips the merge grid."""
+    from types import SimpleNamespace
+
+    from pagedwindow.cuda import max_tile_splits
+
+    state = SimpleNamespace(num_tiles=tiles_, num_kv_heads=kv_heads, total_pages=pages, page_size=16)
+    assert max_tile_splits(state, units) == bound
 
 
 def test_tile_constants_are_shared():

@@ -53,8 +53,12 @@ SPLIT_KV_MAX_SPLITS = 64
 SPLIT_ROWS = 8
 """Rows of a tile-16 tile above which splitting its keys loses to tile 64 (on the H200, 16-row tiles that split:
 1.25-1.86x slower than 64; 2-row tiles that split: 1.1-1.7x faster)."""
-SPLIT_MIN_KEYS = 64
-"""Keys a tile needs before the decode kernel splits it (two splits of its two-step minimum, 16 keys a step)."""
+SPLIT_STEP_KEYS = 16
+"""Keys of one decode-kernel step (``kSteps`` in ``kernels/decode_hd256.cu``)."""
+SPLIT_MIN_STEPS = 2
+"""Steps a split of a tile's keys covers at least (``kMinStepsPerSplit``)."""
+SPLIT_MIN_KEYS = 2 * SPLIT_MIN_STEPS * SPLIT_STEP_KEYS
+"""Keys a tile needs before the decode kernel splits it (two splits of its two-step minimum, 16 keys a step): 64."""
 MIN_PREFILL_GRID = 8
 """The smallest prefill grid (requests with new rows x KV heads) measured beating split 16-row tiles."""
 TILE64_ROW_COST = 1.35

@@ -14,7 +14,7 @@ from .. import settings
 from ..errors import PagedWindowError
 from ..layout import PagedGeometry
 from ..plan import PrefillPagedPlan
-from ..tiles import SUPPORTED_CTA_TILE_Q
+from ..tiles import SPLIT_KV_MAX_SPLITS, SPLIT_MIN_STEPS, SPLIT_STEP_KEYS, SUPPORTED_CTA_TILE_Q
 from . import launch_gate, ops
 from .build import BuildError, target_for_capability
 
@@ -133,6 +133,7 @@ def _prefill_block(plan: PrefillPagedPlan, device: torch.device) -> ops.PrefillL
     block = plan.launch_cache.get(key)
     if block is None:
         workspace, counters = plan.split_kv_workspace(device) or (None, None)
+        units = 0 if counters is None else len(counters)
         block = plan.launch_cache[key] = ops.prefill_block(
             plan.device_buffer(device),
             plan.capacity.segment_offsets(),
@@ -143,8 +144,20 @@ def _prefill_block(plan: PrefillPagedPlan, device: torch.device) -> ops.PrefillL
             cta_tile_q=plan.cta_tile_q,
             workspace=workspace,
             split_counters=counters,
+            max_tile_splits=max_tile_splits(plan.state, units) if units else 0,
         )
     return block
+
+
+def max_tile_splits(state, workspace_units: int) -> int:
+    """A bound on the splits the decode kernel gives any live tile of ``state`` with ``workspace_units`` units: the
+    kernel's ``min(SPLIT_KV_MAX_SPLITS, units // (tiles × KV heads))``, and at most one split per
+    ``SPLIT_MIN_STEPS`` steps of ``SPLIT_STEP_KEYS`` keys of the most keys a tile can see (no request holds more
+    keys than the plan's pages). At most 16 lets an eager launch skip the merge grid (``kernels/decode_hd256.cu``)."""
+    items = max(1, state.num_tiles * state.num_kv_heads)
+    keys = state.total_pages * state.page_size
+    by_keys = -(-keys // SPLIT_STEP_KEYS) // SPLIT_MIN_STEPS
+    return max(1, min(SPLIT_KV_MAX_SPLITS, workspace_units // items, by_keys))
 
 
 def batch_prefill_paged_window(

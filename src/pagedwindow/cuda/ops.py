@@ -65,6 +65,7 @@ class PrefillLaunch(ctypes.Structure):
         ("workspace", _p),
         ("split_counters", _p),
         ("workspace_units", _i),
+        ("max_tile_splits", _i),
     ]
 
 
@@ -249,11 +250,13 @@ def prefill_block(
     cta_tile_q: int,
     workspace: torch.Tensor | None = None,
     split_counters: torch.Tensor | None = None,
+    max_tile_splits: int = 0,
 ) -> PrefillLaunch:
     """A prefill parameter block with the plan's pointers and sizes filled (tensors and scalars come per call).
     ``workspace [units * 16 * 257]`` fp32 and ``split_counters [units]`` int32 (zero): the plan's
     ``split_kv_workspace``, with which the decode kernel (tile 16) splits a tile's keys into up to ``units`` runs;
-    without them it never splits."""
+    without them it never splits. ``max_tile_splits``: a bound on any live tile's splits (0: none), with which an
+    eager decode launch skips the merge grid when no tile can need it."""
     base = plan_buffer.data_ptr()
     scalars, page_indptr, last, qo_indptr, requests, qo_tiles, pages = (base + 4 * o for o in segment_offsets)
     units = 0 if workspace is None or split_counters is None else len(split_counters)
@@ -261,6 +264,7 @@ def prefill_block(
         workspace=workspace.data_ptr() if units else None,
         split_counters=split_counters.data_ptr() if units else None,
         workspace_units=units,
+        max_tile_splits=max_tile_splits,
         page_indices=pages,
         page_indptr=page_indptr,
         last_page_len=last,

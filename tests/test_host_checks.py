@@ -156,3 +156,24 @@ def test_the_prep_block_is_rewritten_whenever_a_per_call_scalar_changes(monkeypa
         assert style == ops.PREPARE_NORM_STYLE_CODES[a["style"]]
         assert eps == pytest.approx(a["eps"], rel=1e-6)
         assert freq == pytest.approx([float(f) for f in want_freq], rel=1e-6)
+
+
+def test_the_attention_and_pool_write_blocks_take_every_change_of_a_per_call_scalar():
+    """``write_prefill_scalars`` / ``write_append_scalars`` skip rewriting while the scalars repeat: each change
+    (and a change back) reaches the block, a repeat leaves it as it was."""
+    from pagedwindow.cuda import ops
+
+    prefill, append = ops.PrefillLaunch(), ops.AppendLaunch()
+    base = dict(k_offset=0, v_offset=64, page_stride=128, sm_scale=0.0625, window_left=1023)
+    changed = dict(k_offset=8, v_offset=72, page_stride=256, sm_scale=0.125, window_left=-1)
+
+    def fields(block, names):
+        return {n: getattr(block, n) for n in names}
+
+    steps = [base] + [base | {n: changed[n]} for n in base] + [base, base]
+    for scalars in steps:
+        ops.write_prefill_scalars(prefill, **scalars)
+        assert fields(prefill, scalars) == scalars
+        kv = {n: scalars[n] for n in ("k_offset", "v_offset", "page_stride")}
+        ops.write_append_scalars(append, **kv)
+        assert fields(append, kv) == kv

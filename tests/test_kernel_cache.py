@@ -453,7 +453,8 @@ def test_a_failed_build_and_autos_fallback_are_logged(env, fake_gpu, broken_nvcc
     with pytest.warns(RuntimeWarning, match="runs the PyTorch reference on cuda:0"):
         assert choose() == "reference"
     assert re.fullmatch(
-        r"kernel build for sm_80 failed after \d+\.\d s", messages(caplog, "pagedwindow.cuda.build", logging.WARNING)[0]
+        r"building the kernels for sm_80 failed after \d+\.\d s",
+        messages(caplog, "pagedwindow.cuda.build", logging.WARNING)[0],
     )
     (unavailable,) = messages(caplog, "pagedwindow.cuda", logging.WARNING)
     assert "backend 'cuda' is unavailable" in unavailable and "pretend the toolkit is broken" in unavailable

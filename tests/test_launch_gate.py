@@ -314,3 +314,13 @@ def test_malformed_integer_arguments_raise(gate, stub, f):
         call(*args, *sizes, 0, launcher, 0)
     with pytest.raises(OverflowError):
         call(*args, *sizes, -1, launcher, 0)
+
+
+def test_the_gates_build_is_cached_by_the_kernels_protocol(gate, caplog):
+    """A second build is the cached, verified module (``build.cached_build``), logged as a launch gate cache hit."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="pagedwindow.cuda.build")
+    path = launch_gate.build_module()
+    assert str(path) == gate.__file__
+    assert f"launch gate cache hit: {path}" in [r.getMessage() for r in caplog.records]

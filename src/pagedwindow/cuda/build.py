@@ -151,12 +151,22 @@ def build_inputs(target: str, nvcc: str) -> dict:
         "nvcc_version": nvcc_version(nvcc),
         "flags": nvcc_flags(),
         "environment": settings.nvcc_environment(),
-        "files": {p.name: _sha256(p) for p in files},
+        "files": file_hashes(files),
     }
 
 
 def _key_of(inputs: dict) -> str:
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
+
+
+def cache_key(inputs: dict) -> str:
+    """The cache key of a build whose inputs (sources' hashes, tools, flags) are ``inputs``."""
+    return _key_of(inputs)
+
+
+def file_hashes(paths) -> dict[str, str]:
+    """``{name: sha256}`` of each file, for a build's inputs."""
+    return {p.name: _sha256(p) for p in paths}
 
 
 def build_key(target: str, nvcc: str) -> str:
@@ -231,11 +241,16 @@ def _compile(nvcc: str, target: str, staging: Path, key: str, inputs: dict) -> P
         raise BuildError(f"nvcc failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     if not out.is_file():
         raise BuildError(f"nvcc exited 0 but wrote no {out.name}:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    library = out.rename(staging / f"{LIBRARY_STEM}-{_sha256(out)[:16]}.so")
-    _fsync(library)
-    write_manifest(staging, library, key, inputs)
+    return seal(staging, out.rename(staging / f"{LIBRARY_STEM}-{_sha256(out)[:16]}.so"), key, inputs)
+
+
+def seal(staging: Path, artifact: Path, key: str, inputs: dict) -> Path:
+    """A staged build's last step: ``artifact`` fsynced, its manifest written beside it, the staging directory
+    fsynced; returns ``artifact`` (what :func:`cached_build`'s ``compile_into`` returns)."""
+    _fsync(artifact)
+    write_manifest(staging, artifact, key, inputs)
     _fsync(staging)
-    return library
+    return artifact
 
 
 def _publish(staging: Path, final: Path) -> None:
@@ -259,42 +274,69 @@ def build_shared_library(target: str, *, discard: Path | None = None) -> Path:
     nvcc = find_nvcc()
     inputs = build_inputs(target, nvcc)
     key = _key_of(inputs)
+    return cached_build(
+        f"{target}-{key}",
+        key,
+        lambda staging: _compile(nvcc, target, staging, key, inputs),
+        label="kernel",
+        what=f"the kernels for {target}",
+        tool=nvcc,
+        discard=discard,
+    )
+
+
+def cached_build(
+    entry: str,
+    key: str,
+    compile_into: Callable[[Path], Path],
+    *,
+    label: str,
+    what: str,
+    tool: str,
+    discard: Path | None = None,
+) -> Path:
+    """The artifact of the cache entry ``<cache root>/<entry>`` when its manifest is for ``key`` and it verifies,
+    else a fresh build: under the entry's file lock, ``compile_into(staging)`` builds into a staging directory
+    (``.<entry>-*``: the artifact and its manifest, fsynced; it returns the artifact's path there), which is then
+    published with an atomic rename. The protocol of every cached build (the kernels, the call gate). ``discard``:
+    an artifact that failed to load, rebuilt unless another process already replaced it. ``label`` names the
+    cache in the log ("kernel cache ..."), ``what`` and ``tool`` the build ("building <what> with <tool>")."""
     root = cache_root()
-    final = root / f"{target}-{key}"
-    library = verified_library(final, key)
-    if library is not None and library != discard:
-        _log.debug("kernel cache hit: %s", library)
-        return library
-    if library is not None:
-        _log.info("kernel cache: discarding %s, which failed to load", library)
+    final = root / entry
+    artifact = verified_library(final, key)
+    if artifact is not None and artifact != discard:
+        _log.debug("%s cache hit: %s", label, artifact)
+        return artifact
+    if artifact is not None:
+        _log.info("%s cache: discarding %s, which failed to load", label, artifact)
     elif final.exists():
         _log.warning(
-            "kernel cache: %s does not match its manifest (truncated, modified or incomplete); rebuilding it", final
+            "%s cache: %s does not match its manifest (truncated, modified or incomplete); rebuilding it", label, final
         )
     else:
-        _log.info("kernel cache miss: no %s in %s", final.name, root)
+        _log.info("%s cache miss: no %s in %s", label, final.name, root)
     root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / f"{target}-{key}.lock")):
-        library = verified_library(final, key)
-        if library is not None and library != discard:  # another process built it while we waited
-            _log.info("kernel cache hit after waiting for another process's build: %s", library)
-            return library
-        for leftover in root.glob(f".{target}-{key}-*"):  # a killed build's: no one else builds this key now
-            _log.info("kernel cache: removing %s, left by a build that did not finish", leftover)
+    with FileLock(str(root / f"{entry}.lock")):
+        artifact = verified_library(final, key)
+        if artifact is not None and artifact != discard:  # another process built it while we waited
+            _log.info("%s cache hit after waiting for another process's build: %s", label, artifact)
+            return artifact
+        for leftover in root.glob(f".{entry}-*"):  # a killed build's: no one else builds this key now
+            _log.info("%s cache: removing %s, left by a build that did not finish", label, leftover)
             _remove(leftover)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target}-{key}-", dir=root))
-        _log.info("building the kernels for %s with %s", target, nvcc)
+        staging = Path(tempfile.mkdtemp(prefix=f".{entry}-", dir=root))
+        _log.info("building %s with %s", what, tool)
         started = time.perf_counter()
         try:
-            library = _compile(nvcc, target, staging, key, inputs)
+            artifact = compile_into(staging)
             _publish(staging, final)
         except Exception:
-            _log.warning("kernel build for %s failed after %.1f s", target, time.perf_counter() - started)
+            _log.warning("building %s failed after %.1f s", what, time.perf_counter() - started)
             raise
         finally:
             _remove(staging)  # already gone after a publish
-    _log.info("built the kernels for %s in %.1f s: %s", target, time.perf_counter() - started, final / library.name)
-    return final / library.name
+    _log.info("built %s in %.1f s: %s", what, time.perf_counter() - started, final / artifact.name)
+    return final / artifact.name
 
 
 def load_verified(target: str, loader: Callable[[Path], T]) -> T:

@@ -12,29 +12,25 @@ call takes the Python path.
 The build is cached beside the kernels' (``$PAGEDWINDOW_CACHE_DIR``), one directory per key,
 ``launch-gate-<key>/``: the module, named ``pagedwindow_launch_gate<EXT_SUFFIX>``, and ``manifest.json`` (its size,
 sha256 and every input of the key: the gate's sources, the compiler's path and version, the flags, torch's version
-and C++ ABI, the Python ABI). It is built under a file lock into a staging directory and published with an atomic
-rename, as the kernels are (``build.py``). ``$PAGEDWINDOW_CXX`` names the compiler (default ``c++``).
+and C++ ABI, the Python ABI), built and healed by the kernels' own protocol (``build.cached_build``: a file lock,
+a staging directory, an atomic rename; logged to ``pagedwindow.cuda.build``). ``$PAGEDWINDOW_CXX`` names the
+compiler (default ``c++``).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import importlib.machinery
 import importlib.util
-import json
 import logging
 import shlex
 import subprocess
 import sysconfig
-import tempfile
 import threading
-import time
 from pathlib import Path
 from types import ModuleType
 
 import torch
-from filelock import FileLock
 
 from .. import settings
 from . import build, ops
@@ -79,7 +75,7 @@ def build_inputs(cxx: str) -> dict:
         "torch_include": str(_torch_dirs()[0]),
         "cxx11_abi": bool(torch._C._GLIBCXX_USE_CXX11_ABI),
         "python": sysconfig.get_config_var("EXT_SUFFIX"),
-        "files": {p.name: build._sha256(p) for p in files},
+        "files": build.file_hashes(files),
     }
 
 
@@ -106,10 +102,7 @@ def _compile(cxx: str, staging: Path, key: str, inputs: dict) -> Path:
     (staging / "build.txt").write_text(shlex.join(cmd) + "\n" + proc.stdout + proc.stderr)
     if proc.returncode != 0 or not out.is_file():
         raise build.BuildError(f"{cxx} failed ({proc.returncode}) building the launch gate:\n{proc.stderr[-4000:]}")
-    build._fsync(out)
-    build.write_manifest(staging, out, key, inputs)
-    build._fsync(staging)
-    return out
+    return build.seal(staging, out, key, inputs)
 
 
 def build_module() -> Path:
@@ -117,28 +110,15 @@ def build_module() -> Path:
     the compiler or the sources are missing or the compile fails)."""
     cxx = settings.cxx()
     inputs = build_inputs(cxx)
-    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:20]
-    root = build.cache_root()
-    final = root / f"launch-gate-{key}"
-    path = build.verified_library(final, key)
-    if path is not None:
-        return path
-    root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / f"launch-gate-{key}.lock")):
-        path = build.verified_library(final, key)
-        if path is not None:  # another process built it while we waited
-            return path
-        for leftover in root.glob(f".launch-gate-{key}-*"):  # a killed build's
-            build._remove(leftover)
-        staging = Path(tempfile.mkdtemp(prefix=f".launch-gate-{key}-", dir=root))
-        started = time.perf_counter()
-        try:
-            path = _compile(cxx, staging, key, inputs)
-            build._publish(staging, final)
-        finally:
-            build._remove(staging)  # already gone after a publish
-    _log.info("built the launch gate in %.1f s: %s", time.perf_counter() - started, final / path.name)
-    return final / path.name
+    key = build.cache_key(inputs)
+    return build.cached_build(
+        f"launch-gate-{key}",
+        key,
+        lambda staging: _compile(cxx, staging, key, inputs),
+        label="launch gate",
+        what="the launch gate",
+        tool=cxx,
+    )
 
 
 def _load(path: Path) -> ModuleType:

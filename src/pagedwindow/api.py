@@ -247,18 +247,23 @@ def _addresses(spans: list[tuple[str, int, int]] | None) -> Iterable[int] | None
     return None if spans is None else map(_first_byte, spans)
 
 
-def _check_prefill(q, pool, layout, layer, plan, *, sm_scale, window_left, out, lse, backend) -> tuple:
-    """Every check of ``batch_prefill_paged_window``, in its order; nothing is launched or written. Returns what
-    its run needs: ``(sm_scale rounded to fp32, window_left, geometry, q_shape, backend chosen, compiling)``."""
-    what = "batch_prefill_paged_window"
+def _check_prefill_call(pool, layout, layer, plan, sm_scale, window_left) -> tuple:
+    """``batch_prefill_paged_window``'s checks before its tensors': the scale, the window, the plan on the pool.
+    Returns ``(sm_scale rounded to fp32, window_left, the plan's state, the geometry)``."""
     sm_scale = check_sm_scale(sm_scale)
     window_left = check_window_left(window_left)
-    state, geometry = _plan_on_pool(what, plan, layout, pool, layer)
+    state, geometry = _plan_on_pool("batch_prefill_paged_window", plan, layout, pool, layer)
+    return sm_scale, window_left, state, geometry
+
+
+def _check_prefill_tensors(q, pool, plan, state, *, out, lse, backend, compiling: bool) -> str:
+    """The rest of its checks, in order: q, out and lse, their overlap, the backend; returns the backend chosen.
+    Nothing is launched or written."""
+    what = "batch_prefill_paged_window"
     rows = state.total_tokens
     q_shape = (rows, state.num_qo_heads, state.head_dim)
     dtype, device = pool.dtype, pool.device
     _check_rows(what, "q", q, q_shape, dtype, device)
-    compiling = torch.compiler.is_compiling()
     if out is not None:
         _check_rows(what, "out", out, q_shape, dtype, device)
         _check_writable(what, "out", out, compiling)
@@ -268,30 +273,7 @@ def _check_prefill(q, pool, layout, layer, plan, *, sm_scale, window_left, out, 
     written = (out is not None) + (lse is not None)  # the spans of out and lse come first (None ones are skipped)
     spans, address_bits = _memory_spans(compiling, ("out", out), ("lse", lse), ("q", q), ("pool", pool))
     _check_disjoint(what, spans, written)
-    chosen = _resolve_backend(what, backend, plan, device, dtype, _addresses(spans), address_bits)
-    return sm_scale, window_left, geometry, q_shape, chosen, compiling
-
-
-def _gated_prefill(q, pool, layout, layer, plan, sm_scale, window_left, out, lse) -> torch.Tensor | None:
-    """An eager attention call on a GPU pool through the CUDA backend's compiled call gate: the scalar and plan
-    checks here (``_check_prefill``'s first ones, in its order, so they raise what it would), the tensors' in the
-    gate, which launches. Returns the output; None when the call was not launched (nothing written): the checked
-    path then runs."""
-    what = "batch_prefill_paged_window"
-    sm_scale = check_sm_scale(sm_scale)
-    window_left = check_window_left(window_left)
-    state, geometry = _plan_on_pool(what, plan, layout, pool, layer)
-    rows = state.total_tokens
-    if not rows or not pool.is_cuda:
-        return None
-    if out is None:
-        out = torch.empty((rows, state.num_qo_heads, state.head_dim), dtype=pool.dtype, device=pool.device)
-    launched = _cuda_backend().batch_prefill_paged_window_gated(
-        q, pool, geometry, plan, state, sm_scale=sm_scale, window_left=window_left, out=out, lse=lse
-    )
-    if not launched:
-        return None
-    return out if out.shape[0] == rows else out[:rows]
+    return _resolve_backend(what, backend, plan, device, dtype, _addresses(spans), address_bits)
 
 
 def check_batch_prefill_paged_window(
@@ -312,9 +294,9 @@ def check_batch_prefill_paged_window(
     For a step that writes the pool before it attends (``append_paged_kv`` or ``prepare_paged_qkv``, then the
     attention): check the attention first, so that a step refused anywhere leaves the pool as it was. Its
     verdict does not depend on the pool's contents, only on its geometry."""
-    _check_prefill(
-        q, pool, layout, layer, plan, sm_scale=sm_scale, window_left=window_left, out=out, lse=lse, backend=backend
-    )
+    _, _, state, _ = _check_prefill_call(pool, layout, layer, plan, sm_scale, window_left)
+    compiling = torch.compiler.is_compiling()
+    _check_prefill_tensors(q, pool, plan, state, out=out, lse=lse, backend=backend, compiling=compiling)
 
 
 def batch_prefill_paged_window(
@@ -338,14 +320,20 @@ def batch_prefill_paged_window(
     ``[rows >= total_tokens, num_qo_heads]``, natural-log logsumexp of the scaled logits. A plan with no new rows
     returns at once (after the checks).
     """
-    if (backend == "auto" or backend == "cuda") and not prefill_observers and not torch.compiler.is_compiling():
-        launched = _gated_prefill(q, pool, layout, layer, plan, sm_scale, window_left, out, lse)
-        if launched is not None:
-            return launched
-    sm_scale, window_left, geometry, q_shape, chosen, compiling = _check_prefill(
-        q, pool, layout, layer, plan, sm_scale=sm_scale, window_left=window_left, out=out, lse=lse, backend=backend
-    )
-    rows = q_shape[0]
+    sm_scale, window_left, state, geometry = _check_prefill_call(pool, layout, layer, plan, sm_scale, window_left)
+    rows = state.total_tokens
+    q_shape = (rows, state.num_qo_heads, state.head_dim)
+    compiling = torch.compiler.is_compiling()
+    gated = rows > 0 and not compiling and not prefill_observers and (backend == "auto" or backend == "cuda")
+    if gated and pool.is_cuda:
+        # The compiled gate checks the tensors and launches in one C call; when it refuses (nothing written), the
+        # checks below run and name the error, or launch the checked way.
+        gate_out = out if out is not None else torch.empty(q_shape, dtype=pool.dtype, device=pool.device)
+        if _cuda_backend().batch_prefill_paged_window_gated(
+            q, pool, geometry, plan, state, sm_scale=sm_scale, window_left=window_left, out=gate_out, lse=lse
+        ):
+            return gate_out if gate_out.shape[0] == rows else gate_out[:rows]
+    chosen = _check_prefill_tensors(q, pool, plan, state, out=out, lse=lse, backend=backend, compiling=compiling)
     if out is None:
         out = torch.empty(q_shape, dtype=q.dtype, device=q.device)
     if rows == 0:
@@ -382,7 +370,8 @@ def append_paged_kv(
     what = "append_paged_kv"
     state, geometry = _plan_on_pool(what, plan, layout, pool, layer)
     rows = state.total_tokens
-    if rows and (backend == "auto" or backend == "cuda") and pool.is_cuda and not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if rows and not compiling and (backend == "auto" or backend == "cuda") and pool.is_cuda:
         # The compiled gate checks the tensors and launches in one C call; when it refuses (nothing written), the
         # checks below run and name the error, or launch the checked way.
         if _cuda_backend().append_paged_kv_gated(k, v, pool, geometry, plan, state):
@@ -391,7 +380,6 @@ def append_paged_kv(
     dtype, device = pool.dtype, pool.device
     _check_rows(what, "k", k, kv_shape, dtype, device)
     _check_rows(what, "v", v, kv_shape, dtype, device)
-    compiling = torch.compiler.is_compiling()
     _check_writable(what, "pool", pool, compiling)
     spans, address_bits = _memory_spans(compiling, ("pool", pool), ("k", k), ("v", v))
     _check_disjoint(what, spans, 1)

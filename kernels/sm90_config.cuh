@@ -27,6 +27,13 @@ using Params = PwPrefillParams;
 #define PW_SM90_Q_BULK 1
 #endif
 
+// O's staging in the epilogue (2, the default): by stmatrix, and a consumer warpgroup whose rows go out by bulk
+// tensor copies issues each 64-column block's copy as soon as that block is staged; 1: by stmatrix, every block
+// staged before the copies; 0: by 32-bit shared stores, every block staged before the copies.
+#ifndef PW_SM90_O_STAGING
+#define PW_SM90_O_STAGING 2
+#endif
+
 // ------------------------------------------------------------------------------------------- shapes and bytes
 constexpr int kHeadDim = kPwPrefillHeadDim;                   // 256
 constexpr int kRowBytes = kHeadDim * 2;                       // one bf16 row of Q, K or V: 512 B

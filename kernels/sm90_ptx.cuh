@@ -125,6 +125,15 @@ __device__ __forceinline__ void bulk_wait_group_read_all() {
   asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
 }
 
+// Store four 8 x 8 matrices of b16 to shared memory (stmatrix .x4): lanes 8m .. 8m + 7 give the addresses of
+// matrix m's rows 0 .. 7 (16 bytes each); r_m is this lane's fragment of matrix m, row lane / 4, columns
+// 2 (lane % 4) and + 1 (the layout of an mma / wgmma accumulator's 8 x 8 pieces).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3)
+               : "memory");
+}
+
 // Make data written through the generic proxy (cp.async, st.shared) visible to the async proxy (wgmma operand
 // reads, bulk copies).
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }

@@ -34,14 +34,6 @@ using Params = PwPrefillParams;
 #define PW_SM90_O_STAGING 2
 #endif
 
-// Q in the order its warpgroups need it (1, the default; the bulk-copy K/V path of the 128-row tile): consumer
-// warpgroup 0's Q rows, then K(0), then warpgroup 1's Q rows, then V(0), so that warpgroup 0's first GEMM waits for
-// 64 KiB instead of every copy of the CTA's start; each warpgroup waits only for its own Q rows. 0: all of Q
-// first, K(0) and V(0) beside it.
-#ifndef PW_SM90_Q_ORDER
-#define PW_SM90_Q_ORDER 1
-#endif
-
 // ------------------------------------------------------------------------------------------- shapes and bytes
 constexpr int kHeadDim = kPwPrefillHeadDim;                   // 256
 constexpr int kRowBytes = kHeadDim * 2;                       // one bf16 row of Q, K or V: 512 B
@@ -71,13 +63,9 @@ constexpr int kRegisterFile = 65536;                                   // 32-bit
 // Named barriers (bar.sync / bar.arrive ids; 0 is __syncthreads). For consumer warpgroup c (0 or 1):
 //   kBarSched + c (1, 2): "consumer c may issue its GEMMs", the ping-pong of the 128-row tile; both consumer
 //     warpgroups' threads take part (kBarSchedThreads);
-//   kBarEpilogue + c (3, 4): consumer c's own four warps, before its epilogue overwrites its Q rows;
-//   kBarQOrder (5): producer warps 0 and 1 (kBarQOrderThreads), "warpgroup 1's Q rows are issued, V(0) may go"
-//     (PW_SM90_Q_ORDER).
+//   kBarEpilogue + c (3, 4): consumer c's own four warps, before its epilogue overwrites its Q rows.
 constexpr int kBarSched = 1;
 constexpr int kBarEpilogue = 3;
-constexpr int kBarQOrder = 5;
-constexpr int kBarQOrderThreads = 2 * 32;
 constexpr int kBarSchedThreads = 2 * kWarpgroupThreads;
 
 // Compile-time configuration of one kernel instantiation: a tile of kCtaQ packed query rows, kWG consumer
@@ -102,8 +90,8 @@ struct Cfg {
   static_assert(!kSetMaxNReg ||
                     kProducerThreads * kProducerRegs + kWarpgroupThreads * kWG * kConsumerRegs <= kRegisterFile,
                 "setmaxnreg budget exceeds the register file");
-  // q_full[kWG], full_k[], full_v[], empty_k[], empty_v[], overlap_anchor
-  static constexpr int kNumBarriers = kWG + 4 * kStages + 1;
+  // q_full, full_k[], full_v[], empty_k[], empty_v[], overlap_anchor
+  static constexpr int kNumBarriers = 1 + 4 * kStages + 1;
 };
 
 #ifdef PW_SM90_DEVICE_CODE
@@ -121,23 +109,22 @@ __device__ __forceinline__ uint32_t sw128(int row, int chunk) {
 template <int kCtaQ, int kWG>
 struct Smem {
   uint32_t q, k, v;  // Q | K[kStages] | V[kStages], q aligned to 1024 B (the swizzle atom)
-  uint32_t bar;      // q_full[kWG], full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages],
-                     // overlap_anchor (8 B each)
+  uint32_t bar;      // q_full, full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages], overlap_anchor
+                     // (8 B each)
   __device__ __forceinline__ Smem(const void* dyn, const void* bars) {
     q = (smem_addr(dyn) + (kSwizzleAtomBytes - 1u)) & ~(kSwizzleAtomBytes - 1u);
     k = q + Cfg<kCtaQ, kWG>::kQBytes;
     v = k + kStages * kKvBytes;
     bar = smem_addr(bars);
   }
-  // Consumer warpgroup c's 64 Q rows have landed.
-  __device__ __forceinline__ uint32_t q_full(int c) const { return bar + kMbarBytes * c; }
-  __device__ __forceinline__ uint32_t full_k(int s) const { return bar + kMbarBytes * (kWG + s); }
-  __device__ __forceinline__ uint32_t full_v(int s) const { return bar + kMbarBytes * (kWG + kStages + s); }
-  __device__ __forceinline__ uint32_t empty_k(int s) const { return bar + kMbarBytes * (kWG + 2 * kStages + s); }
-  __device__ __forceinline__ uint32_t empty_v(int s) const { return bar + kMbarBytes * (kWG + 3 * kStages + s); }
+  __device__ __forceinline__ uint32_t q_full() const { return bar; }
+  __device__ __forceinline__ uint32_t full_k(int s) const { return bar + kMbarBytes * (1 + s); }
+  __device__ __forceinline__ uint32_t full_v(int s) const { return bar + kMbarBytes * (1 + kStages + s); }
+  __device__ __forceinline__ uint32_t empty_k(int s) const { return bar + kMbarBytes * (1 + 2 * kStages + s); }
+  __device__ __forceinline__ uint32_t empty_v(int s) const { return bar + kMbarBytes * (1 + 3 * kStages + s); }
   // Arrived on, never waited on: an arrive that depends on the softmax pins it above the wait for PV(j)
   // (sm90_consumer.cuh). Count 1: every arrival completes a phase, which nothing observes.
-  __device__ __forceinline__ uint32_t overlap_anchor() const { return bar + kMbarBytes * (kWG + 4 * kStages); }
+  __device__ __forceinline__ uint32_t overlap_anchor() const { return bar + kMbarBytes * (1 + 4 * kStages); }
 };
 
 // Q rows that come by bulk tensor copy: the whole consumer warpgroups whose 64 rows are all the tile's (a prefix of

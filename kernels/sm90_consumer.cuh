@@ -199,7 +199,7 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
   // wgmma); the last tile is peeled.
   pin_o();  // materialise O = 0 before any wgmma is in flight
   WaitTrace trace(cw);
-  trace.wait(kTraceSlotQ, sm.q_full(cw), 0);  // this warpgroup's own Q rows
+  trace.wait(kTraceSlotQ, sm.q_full(), 0);
   const int n_tiles = t.n_tiles;
   if (n_tiles > 0) {  // always true when rows_valid > 0; uniform across the CTA
     float alpha0, alpha1;

@@ -1,11 +1,10 @@
 // pagedwindow: the Hopper prefill kernel's (prefill_hd256_sm90.cu) load pipeline: the producer warpgroup
 // (warpgroup 0) and the mbarriers it shares with the consumer warpgroups.
 //
-// Barriers (shared memory, Smem): q_full[c] per consumer warpgroup, then per stage s (KV tile j uses stage
-// j % kStages) full_k[s], full_v[s], empty_k[s], empty_v[s].
-//   * q_full[c] completes once consumer warpgroup c's Q rows have landed: one cp.async-tracked arrival per producer
-//     thread, and the bytes of the warpgroup's bulk tensor copies when there are any (posted by thread 0 before
-//     its arrival, so the phase waits for them even when they are issued later).
+// Barriers (shared memory, Smem): q_full, then per stage s (KV tile j uses stage j % kStages) full_k[s],
+// full_v[s], empty_k[s], empty_v[s].
+//   * q_full completes once Q has landed: one cp.async-tracked arrival per producer thread, and the bytes of Q's
+//     bulk tensor copies when there are any (posted by thread 0 before its arrival).
 //   * full_x[s] completes once tile j's K (V) has landed in stage s: with cp.async copies one tracked arrival per
 //     producer thread; with bulk tensor copies one arrival carrying the tile's byte count, completed by the
 //     copies themselves.
@@ -17,8 +16,8 @@
 //   * producer_tma: bulk tensor copies (page_size 8, 16, 32 or a multiple of 64) through two tensor maps over
 //     the pool, {head dim, kv head, slot, page}, written with the 128-byte swizzle;
 //   * producer_cp_async: 16-byte cp.async of every key row with its own page lookup (any page_size).
-// Both load Q first (load_q: bulk tensor copies of whole warpgroups' rows where it can, cp.async for the rest;
-// producer_tma issues warpgroup 1's bulk copies after K(0) under PW_SM90_Q_ORDER) and read only keys below kv_len. The cp.async path zero-fills keys outside
+// Both load Q first (load_q: bulk tensor copies of whole warpgroups' rows where it can, cp.async for the rest) and
+// read only keys below kv_len. The cp.async path zero-fills keys outside
 // [kv_lo, kv_hi) instead of reading them; the bulk path reads them, and the consumers mask them.
 #pragma once
 
@@ -41,8 +40,7 @@ using pw_tile::TileGeometry;
 // Thread 0, before anything else: the arrival counts above.
 template <int kCtaQ, int kWG, bool kTma>
 __device__ __forceinline__ void init_pipeline_barriers(const Smem<kCtaQ, kWG>& sm) {
-#pragma unroll
-  for (int c = 0; c < kWG; ++c) mbar_init(sm.q_full(c), kProducerThreads);
+  mbar_init(sm.q_full(), kProducerThreads);
   constexpr uint32_t kFullCount = kTma ? 1 : kProducerThreads;
 #pragma unroll
   for (int s = 0; s < kStages; ++s) {
@@ -69,35 +67,26 @@ __device__ __forceinline__ void issue_kv_rows(uint32_t s_tile, const __nv_bfloat
   }
 }
 
-// Thread 0: the four bulk tensor copies of consumer warpgroup c's 64 Q rows (box {64 dims, group heads, 64 / group
-// tokens} per 64-column block, written with the 128-byte swizzle), completing on q_full[c].
-template <int kCtaQ, int kWG>
-__device__ __forceinline__ void issue_q_bulk(const Params& p, const Smem<kCtaQ, kWG>& sm, const TileGeometry& t,
-                                             int kv_head, const CUtensorMap* map_q, int c) {
-  using C = Cfg<kCtaQ, kWG>;
-  const int r0 = kWarpgroupRows * c;
-  const int token0 = t.qo_begin + (t.row0 + r0) / p.group;  // group divides 64 (the host's map needs it)
-#pragma unroll
-  for (int b = 0; b < kHeadDim / kBlockCols; ++b) {
-    tma_load_3d(sm.q + b * C::kQBlockBytes + r0 * kBlockRowBytes, map_q, b * kBlockCols, kv_head * p.group, token0,
-                sm.q_full(c));
-  }
-}
-
 // Producer, Q tile (all four warps). Rows [0, bulk_rows) (q_bulk_rows: whole consumer warpgroups' 64 rows, all the
-// tile's) come by thread 0's bulk tensor copies through map_q (issue_q_bulk), each warpgroup's bytes posted on its
-// q_full first; warpgroup 1's copies are left to the caller when defer_wg1. The other rows by cp.async (rows past
-// rows_valid zero-filled): warp w copies rows bulk_rows + w, + 4, ...; row r -> (token, head in group) walked by 4;
-// lane = 16-byte chunk. Each thread arrives on every q_full once its copies have landed.
+// tile's) come by thread 0's bulk tensor copies through map_q, four per warpgroup (box {64 dims, group heads,
+// 64 / group tokens} per 64-column block, written with the 128-byte swizzle), their bytes posted on q_full first.
+// The other rows by cp.async (rows past rows_valid zero-filled): warp w copies rows bulk_rows + w, + 4, ...; row r
+// -> (token, head in group) walked by 4; lane = 16-byte chunk. Each thread arrives on q_full once its copies have
+// landed.
 template <int kCtaQ, int kWG>
 __device__ __forceinline__ void load_q(const Params& p, const Smem<kCtaQ, kWG>& sm, const TileGeometry& t, int kv_head,
-                                       const CUtensorMap* map_q, int bulk_rows, bool defer_wg1, int warp, int lane) {
+                                       const CUtensorMap* map_q, int bulk_rows, int warp, int lane) {
   using C = Cfg<kCtaQ, kWG>;
   const int grp = p.group;
   if (bulk_rows > 0 && warp == 0 && lane == 0) {
-    for (int c = 0; c < bulk_rows / kWarpgroupRows; ++c) mbar_expect_tx(sm.q_full(c), kWarpgroupRows * kRowBytes);
-    for (int c = 0; c < bulk_rows / kWarpgroupRows; ++c) {
-      if (!(defer_wg1 && c == 1)) issue_q_bulk(p, sm, t, kv_head, map_q, c);
+    mbar_expect_tx(sm.q_full(), static_cast<uint32_t>(bulk_rows) * kRowBytes);
+    for (int r0 = 0; r0 < bulk_rows; r0 += kWarpgroupRows) {
+      const int token0 = t.qo_begin + (t.row0 + r0) / grp;  // group divides 64 (the host's map needs it)
+#pragma unroll
+      for (int b = 0; b < kHeadDim / kBlockCols; ++b) {
+        tma_load_3d(sm.q + b * C::kQBlockBytes + r0 * kBlockRowBytes, map_q, b * kBlockCols, kv_head * grp, token0,
+                    sm.q_full());
+      }
     }
   }
   const int pr0 = t.row0 + bulk_rows + warp;
@@ -122,8 +111,7 @@ __device__ __forceinline__ void load_q(const Params& p, const Smem<kCtaQ, kWG>& 
       ++tok;
     }
   }
-#pragma unroll
-  for (int c = 0; c < kWG; ++c) cp_async_mbar_arrive(sm.q_full(c));
+  cp_async_mbar_arrive(sm.q_full());
 }
 
 // cp.async producer (any page_size). Loads Q, then K(j) and V(j) of every KV tile into buffer j % 2. Warp w
@@ -152,7 +140,7 @@ __device__ __forceinline__ void producer_cp_async(const Params& p, const Smem<kC
   int page = 0;  // page id of the current tile's row (valid rows only), loaded one tile ahead
   if (row_valid(pos)) page = __ldg(pages + pi);  // tile 0: in flight while Q is issued
 
-  load_q(p, sm, t, kv_head, map_q, q_bulk_rows<kCtaQ, kWG>(t.rows_valid, q_bulk), false, warp, lane);
+  load_q(p, sm, t, kv_head, map_q, q_bulk_rows<kCtaQ, kWG>(t.rows_valid, q_bulk), warp, lane);
 
 #pragma unroll 1
   for (int j = 0; j < t.n_tiles; ++j) {
@@ -185,10 +173,7 @@ __device__ __forceinline__ void producer_cp_async(const Params& p, const Smem<kC
 }
 
 // TMA producer (page_size 8, 16, 32 or a multiple of 64; the host checks). Warps 0-3 load Q (load_q);
-// then warp 0 copies K(j) and warp 1 V(j) of every KV tile (their first tile's page ids loaded before Q). Under
-// PW_SM90_Q_ORDER (two consumer warpgroups and at least one KV tile) the copies go out in the order the consumers
-// need them: warpgroup 0's Q rows, K(0), warpgroup 1's Q rows (if by bulk copy), then V(0): warp 0 issues
-// warpgroup 1's rows after K(0) and meets warp 1 at named barrier kBarQOrder, which warp 1 waits on before V(0). A 64-key tile
+// then warp 0 copies K(j) and warp 1 V(j) of every KV tile (their first tile's page ids loaded before Q). A 64-key tile
 // is 64 / box_rows chunks of box_rows = min(page_size, 64) keys inside one page; lane 4c + b copies 64-column block b
 // of chunk c with one bulk tensor copy: box {64 dims, 1 head, box_rows slots, 1 page} of the map, written with the
 // 128-byte swizzle into exactly the layout the cp.async producer writes. A chunk reaching past the request's kv_len
@@ -219,9 +204,7 @@ __device__ __forceinline__ void producer_tma(const Params& p, const Smem<kCtaQ, 
   int page = 0;  // page id of the current tile's chunk, loaded one tile ahead: tile 0's in flight while Q is issued
   if (warp < 2 && box_inside(pos)) page = __ldg(pages + pi);
 
-  const int bulk_rows = q_bulk_rows<kCtaQ, kWG>(t.rows_valid, q_bulk);
-  const bool q_order = PW_SM90_Q_ORDER && kWG == 2 && t.n_tiles > 0;  // uniform across the CTA
-  load_q(p, sm, t, kv_head, map_q, bulk_rows, q_order, warp, lane);
+  load_q(p, sm, t, kv_head, map_q, q_bulk_rows<kCtaQ, kWG>(t.rows_valid, q_bulk), warp, lane);
   if (warp >= 2) {
     cp_async_wait_all();
     return;
@@ -248,7 +231,6 @@ __device__ __forceinline__ void producer_tma(const Params& p, const Smem<kCtaQ, 
     const uint32_t par = parity_of(j);
     const uint32_t buf = (is_k ? sm.k : sm.v) + st * kKvBytes;
     const uint32_t full = is_k ? sm.full_k(st) : sm.full_v(st);
-    if (q_order && j == 0 && !is_k) named_bar_sync(kBarQOrder, kBarQOrderThreads);  // after warpgroup 1's Q
     mbar_wait<true>(is_k ? sm.empty_k(st) : sm.empty_v(st), par ^ 1);  // the first use passes at once
     trace.issued(is_k, j);
     // Rows from the first chunk that reaches past kv_len (uniform across the warp): copied here by cp.async, zeros
@@ -282,11 +264,6 @@ __device__ __forceinline__ void producer_tma(const Params& p, const Smem<kCtaQ, 
     __syncwarp();  // the expected byte count is posted before any of the tile's copies can complete
     if (copy_box) {
       tma_load_4d(buf + block * kKvBlockBytes + chunk * box_bytes, map, block * kBlockCols, kv_head, c2, c3, full);
-    }
-    if (q_order && j == 0 && is_k) {  // K(0) is issued: warpgroup 1's Q rows, then V(0) may go
-      if (lane == 0 && bulk_rows == 2 * kWarpgroupRows) issue_q_bulk(p, sm, t, kv_head, map_q, 1);
-      __syncwarp();
-      named_bar_arrive(kBarQOrder, kBarQOrderThreads);
     }
   }
 }

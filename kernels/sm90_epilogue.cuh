@@ -75,7 +75,7 @@ __device__ __forceinline__ void consumer_epilogue(const Params& p, const Smem<kC
   const int kv_head = th.kv_head, cw = th.cw, warp = th.warp, lane = th.lane, c4 = th.c4;
   const int group = th.group;
   const int lrow0 = th.lrow0;
-  const bool bulk = o_bulk && t.rows_valid >= kWarpgroupRows * (cw + 1);  // uniform across the warpgroup
+  const bool bulk = o_bulk && t.rows_valid >= kWarpgroupRows * (cw + 1);   // uniform across the warpgroup
   const int token0 = t.qo_begin + (t.row0 + kWarpgroupRows * cw) / group;  // group divides 64 (the host checks)
 
   float inv0, inv1;

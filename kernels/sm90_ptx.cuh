@@ -1,9 +1,9 @@
 // pagedwindow: the sm_90 PTX the Hopper prefill kernel (prefill_hd256_sm90.cu) and the prep kernel
 // (prepare_qkv.cu) use, one thin wrapper per instruction: mbarrier transaction counts and waits (with the wait's
-// watchdog), bulk and bulk tensor copies that complete on an mbarrier, the async-proxy fence, named barriers,
-// setmaxnreg, and wgmma (fence / commit / wait, shared-memory descriptors, the three instruction shapes the kernel
-// issues). The PTX sm_80 has too (cp.async, the plain mbarrier operations, ldmatrix, mma.sync, bf16 packing,
-// shared loads and stores) is in ptx_common.cuh.
+// watchdog), bulk and bulk tensor copies that complete on an mbarrier, stmatrix, the async-proxy fence, named
+// barriers, setmaxnreg, and wgmma (fence / commit / wait, shared-memory descriptors, the three instruction shapes
+// the kernel issues). The PTX sm_80 has too (cp.async, the plain mbarrier operations, ldmatrix, mma.sync, bf16
+// packing, shared loads and stores) is in ptx_common.cuh.
 //
 // Everything here exists only in the sm_90a device pass (PW_SM90_DEVICE_CODE); the sm_80 / sm_89 builds and
 // the host pass see none of it.

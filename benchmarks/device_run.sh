@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the kernels, run the GPU suite, memcheck, the error table, the benchmark;
 # a short table last. Usage (repository root, on the device): bash benchmarks/device_run.sh [pytest paths...]
-# Env: SUITE_PARTS=4 runs the whole GPU suite as four processes at once (no pytest paths given);
+# Env: SUITE_PARTS=N runs the whole GPU suite as N processes at once (no pytest paths given; 12 on 16 cores);
 # SKIP_SUITE / SKIP_MMA_SYNC_SUITE / SKIP_MEMCHECK / SKIP_BENCH / SKIP_HOST_COST=1 skip a step; BENCH_ARGS adds bench flags,
 # HOST_COST_ARGS host_cost.py flags. FlashInfer comes from .whl/peer-site.tar.xz (benchmarks/pack_peer_site.sh: the
 # wheels installed and xz-packed, 19 MB, so the tree fits beside it in one call) or else from .whl/*.whl;
@@ -69,28 +69,34 @@ if [ "${SKIP_SUITE:-0}" != 1 ]; then
   # The notebooks' tests need papermill and nbformat, which the device lacks; device_report.sh runs the notebooks.
   paths=("$@")
   [ ${#paths[@]} -gt 0 ] || paths=(tests --ignore=tests/test_notebooks.py --ignore=tests/test_notebook_params.py)
-  if [ "${SUITE_PARTS:-1}" = 4 ] && [ $# -eq 0 ]; then
-    # The whole suite as four processes at once (about a third of the serial wall time), each loading the kernels
-    # built above from its own copy of the cache, so that no two processes build into one directory.
-    part() {  # part <index> <pytest arguments...>
-      local i=$1; shift
+  parts=${SUITE_PARTS:-1}
+  if [ "$parts" -gt 1 ] && [ $# -eq 0 ]; then
+    # The whole suite as $parts processes at once (12 on a 16-core machine: about 2 minutes instead of 12), its
+    # test ids dealt round robin, each process loading the kernels built above from its own copy of the cache, so
+    # that no two processes build into one directory. Ids hold spaces (parameters), so they travel as arrays.
+    python3 -m pytest --collect-only -q -m cuda -p no:cacheprovider "${paths[@]}" 2>/dev/null | grep '::' \
+      > /tmp/pw-suite-ids.txt
+    echo "$(wc -l < /tmp/pw-suite-ids.txt) GPU tests over $parts processes" | tee -a "$LOG"
+    rm -f /tmp/pw-suite-ids.part*
+    split -n "r/$parts" -d -a 2 /tmp/pw-suite-ids.txt /tmp/pw-suite-ids.part
+    pids=()
+    for f in /tmp/pw-suite-ids.part*; do
+      i=${f##*.part}
       rm -rf "$PAGEDWINDOW_CACHE_DIR-part$i"  # a copy left by an earlier run would nest this one inside it
       cp -r "$PAGEDWINDOW_CACHE_DIR" "$PAGEDWINDOW_CACHE_DIR-part$i"
-      PAGEDWINDOW_CACHE_DIR="$PAGEDWINDOW_CACHE_DIR-part$i" python3 -m pytest -q -m cuda -p no:cacheprovider "$@" \
-        > "$OUT/suite-part$i.txt" 2>&1
-    }
-    fp64=test_prefill_kernel_against_float64
-    part 0 tests/test_cuda_kernels.py -k "not $fp64" & pids=($!)
-    part 1 tests/test_cuda_kernels.py -k "$fp64" & pids+=($!)
-    part 2 tests --ignore=tests/test_cuda_kernels.py --ignore=tests/test_notebooks.py \
-      --ignore=tests/test_notebook_params.py --ignore=tests/test_cuda_prepare.py --ignore=tests/test_plan_fast_path.py &
-    pids+=($!)
-    part 3 tests/test_cuda_prepare.py tests/test_plan_fast_path.py & pids+=($!)
+      ( mapfile -t ids < "$f"
+        PAGEDWINDOW_CACHE_DIR="$PAGEDWINDOW_CACHE_DIR-part$i" python3 -m pytest -q -m cuda -p no:cacheprovider \
+          "${ids[@]}" > "$OUT/suite-part$i.txt" 2>&1 ) &
+      pids+=($!)
+    done
     suite=""
-    for i in 0 1 2 3; do
-      wait "${pids[$i]}"; rc=$?
-      tail -3 "$OUT/suite-part$i.txt" | tee -a "$LOG"
-      suite="$suite part$i rc=$rc: $(grep -E '(passed|failed|error)' "$OUT/suite-part$i.txt" | tail -1);"
+    i=0
+    for pid in "${pids[@]}"; do
+      wait "$pid"; rc=$?
+      f=$(printf '%s/suite-part%02d.txt' "$OUT" $i)
+      tail -1 "$f" | tee -a "$LOG"
+      suite="$suite part$i rc=$rc: $(grep -E '(passed|failed|error)' "$f" | tail -1);"
+      i=$((i + 1))
     done
   else
     python3 -m pytest -q -m cuda -p no:cacheprovider --maxfail=5 "${paths[@]}" 2>&1 | tee -a "$LOG" | tail -25

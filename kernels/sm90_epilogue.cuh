@@ -98,12 +98,21 @@ __device__ __forceinline__ void consumer_epilogue(const Params& p, const Smem<kC
   // have passed this barrier.
   named_bar_sync(kBarEpilogue + cw, kWarpgroupThreads);
 
-  if (PW_SM90_O_STAGING == 2 && bulk) {
+  if (bulk) {
+    // PW_SM90_O_STAGING 2: stage block b, then issue its copy; 0 and 1: stage every block, then issue the copies.
+    constexpr bool kPerBlock = PW_SM90_O_STAGING == 2;
+    if constexpr (!kPerBlock) {
+      stage_o<kCtaQ, kWG>(sm, th, o, inv0, inv1);
+      fence_proxy_async();                                   // the staged rows, visible to the bulk copies
+      named_bar_sync(kBarEpilogue + cw, kWarpgroupThreads);  // all four warps have staged theirs
+    }
 #pragma unroll
     for (int b = 0; b < kHeadDim / kBlockCols; ++b) {
-      stage_o_block_stmatrix<kCtaQ, kWG>(sm, th, o, inv0, inv1, b);
-      fence_proxy_async();                                   // this block's staged rows, visible to its copy
-      named_bar_sync(kBarEpilogue + cw, kWarpgroupThreads);  // all four warps have staged theirs
+      if constexpr (kPerBlock) {
+        stage_o_block_stmatrix<kCtaQ, kWG>(sm, th, o, inv0, inv1, b);
+        fence_proxy_async();                                   // this block's staged rows, visible to its copy
+        named_bar_sync(kBarEpilogue + cw, kWarpgroupThreads);  // all four warps have staged theirs
+      }
       if (warp == 0 && lane == 0) {
         tma_store_3d(map_o, sm.q + b * C::kQBlockBytes + cw * kWarpgroupRows * kBlockRowBytes, b * kBlockCols,
                      kv_head * group, token0);
@@ -120,21 +129,6 @@ __device__ __forceinline__ void consumer_epilogue(const Params& p, const Smem<kC
   stage_o<kCtaQ, kWG>(sm, th, o, inv0, inv1);
   __syncwarp();
   trace_consumer_clock(cw, kTraceSlotStaged);  // a -DPW_SM90_WAIT_TRACE=1 build only
-
-  if (bulk) {
-    fence_proxy_async();                                   // the staged rows, visible to the bulk copies
-    named_bar_sync(kBarEpilogue + cw, kWarpgroupThreads);  // all four warps have staged theirs
-    if (warp == 0 && lane == 0) {
-#pragma unroll
-      for (int b = 0; b < kHeadDim / kBlockCols; ++b) {
-        tma_store_3d(map_o, sm.q + b * C::kQBlockBytes + cw * kWarpgroupRows * kBlockRowBytes, b * kBlockCols,
-                     kv_head * group, token0);
-      }
-      bulk_commit_group();
-      bulk_wait_group_read_all();  // the Q buffer stays the CTA's until this thread exits
-    }
-    return;
-  }
 
   // The warp reads back exactly the 16 rows it wrote.
 #pragma unroll 4

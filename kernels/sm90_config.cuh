@@ -34,6 +34,17 @@ using Params = PwPrefillParams;
 #define PW_SM90_O_STAGING 2
 #endif
 
+// The consumers' schedule. PW_SM90_PINGPONG (1, the default): two consumer warpgroups take turns issuing their
+// GEMMs (FlashAttention-3's warp-scheduler barrier); 0: each issues as soon as its data is ready.
+// PW_SM90_RESCALE_BEFORE_PV (0, the default): O is rescaled by softmax(j + 1)'s factors once PV(j) has completed;
+// 1: O is rescaled by softmax(j)'s factors between the issue of S(j + 1) and of PV(j), while S(j + 1) runs.
+#ifndef PW_SM90_PINGPONG
+#define PW_SM90_PINGPONG 1
+#endif
+#ifndef PW_SM90_RESCALE_BEFORE_PV
+#define PW_SM90_RESCALE_BEFORE_PV 0
+#endif
+
 // ------------------------------------------------------------------------------------------- shapes and bytes
 constexpr int kHeadDim = kPwPrefillHeadDim;                   // 256
 constexpr int kRowBytes = kHeadDim * 2;                       // one bf16 row of Q, K or V: 512 B

@@ -58,20 +58,21 @@ struct ConsumerThread {
 // warpgroup there is no one to take turns with: no-ops.
 template <int kWG>
 struct PingPong {
+  static constexpr bool kOn = kWG == 2 && PW_SM90_PINGPONG;
   int cw;
   __device__ __forceinline__ void start() const {
-    if constexpr (kWG == 2) {
+    if constexpr (kOn) {
       if (cw == 1) named_bar_arrive(kBarSched + 0, kBarSchedThreads);
     }
   }
   __device__ __forceinline__ void wait_turn() const {
-    if constexpr (kWG == 2) named_bar_sync(kBarSched + cw, kBarSchedThreads);
+    if constexpr (kOn) named_bar_sync(kBarSched + cw, kBarSchedThreads);
   }
   __device__ __forceinline__ void pass_turn() const {
-    if constexpr (kWG == 2) named_bar_arrive(kBarSched + (1 - cw), kBarSchedThreads);
+    if constexpr (kOn) named_bar_arrive(kBarSched + (1 - cw), kBarSchedThreads);
   }
   __device__ __forceinline__ void pass_last_turn() const {
-    if constexpr (kWG == 2) {
+    if constexpr (kOn) {
       if (cw == 0) named_bar_arrive(kBarSched + 1, kBarSchedThreads);
     }
   }
@@ -189,12 +190,15 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
     }
   };
   const PingPong<kWG> pp{cw};
+  constexpr bool kRescaleBeforePv = PW_SM90_RESCALE_BEFORE_PV;
 
   // Schedule (per consumer warpgroup; a turn is issuing GEMMs, see PingPong):
   //   turn 0: S(0);  wait;  softmax(0) -> P(0)
   //   for j < n-1:  turn j+1: S(j+1), PV(j);  wait S(j+1);  release K(j+1);  softmax(j+1) -> P(j+1) while
   //                 PV(j) runs;  wait PV(j);  release V(j);  rescale O
   //   turn n: PV(n-1);  wait
+  // With PW_SM90_RESCALE_BEFORE_PV=1 the rescale by softmax(j)'s factors moves into turn j+1, between the issue of
+  // S(j+1) and of PV(j) (and into turn n, before PV(n-1)); with PW_SM90_PINGPONG=0 a turn is not waited for.
   // No wgmma is in flight across a loop edge or a conditional path (ptxas would otherwise serialise every
   // wgmma); the last tile is peeled.
   pin_o();  // materialise O = 0 before any wgmma is in flight
@@ -215,7 +219,7 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
     wgmma_wait<0>();
     pin_s();
     release(sm.empty_k(0));
-    softmax_p(0, alpha0, alpha1);  // O is 0: no rescale needed
+    softmax_p(0, alpha0, alpha1);  // O is 0: rescaling it (PW_SM90_RESCALE_BEFORE_PV) leaves it 0
     pack_p();
 
 #pragma unroll 1
@@ -231,6 +235,12 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
       pin_o();
       gemm_s(stage_of(j1));
       wgmma_commit();
+      if constexpr (kRescaleBeforePv) {  // O *= softmax(j)'s factors while S(j+1) runs (O is in no wgmma yet)
+        pin_o();
+        rescale_o(alpha0, alpha1);
+        pin_o();
+        wgmma_fence();
+      }
       gemm_pv(stage_of(j));
       wgmma_commit();
       pp.pass_turn();
@@ -248,7 +258,7 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
       pin_o();
       pin_p();
       release(sm.empty_v(stage_of(j)));
-      rescale_o(alpha0, alpha1);
+      if constexpr (!kRescaleBeforePv) rescale_o(alpha0, alpha1);
       pack_p();
     }
 
@@ -257,6 +267,7 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
     trace.wait(kTraceSlotLastV, sm.full_v(stage_of(n_tiles - 1)), parity_of(n_tiles - 1));
     fence_proxy_async();
     pp.wait_turn();
+    if constexpr (kRescaleBeforePv) rescale_o(alpha0, alpha1);
     wgmma_fence();
     pin_o();
     gemm_pv(stage_of(n_tiles - 1));

@@ -44,6 +44,12 @@ using Params = PwPrefillParams;
 #ifndef PW_SM90_RESCALE_BEFORE_PV
 #define PW_SM90_RESCALE_BEFORE_PV 0
 #endif
+// PW_SM90_KV_FENCE (1, the default): a consumer fences the proxies (fence.proxy.async) after every wait for a K or V
+// tile; 0: only where the tile's rows came by cp.async alone (kTma false). With bulk tensor copies the only rows a
+// thread writes (the chunk past kv_len) are fenced by the producer warp that wrote them, before its arrive.
+#ifndef PW_SM90_KV_FENCE
+#define PW_SM90_KV_FENCE 1
+#endif
 
 // ------------------------------------------------------------------------------------------- shapes and bytes
 constexpr int kHeadDim = kPwPrefillHeadDim;                   // 256

@@ -2,7 +2,7 @@
 round by round.
 
 ``python3 benchmarks/variant_ab.py --variant base: --variant new:-DNAME=VALUE [--src base=prior/src] [--prep]
-[--workloads ...] [--rounds 3] [--cta-tile-q 128] [--json out.json]``
+[--unchecked new] [--workloads ...] [--rounds 3] [--cta-tile-q 128] [--json out.json]``
 
 Each variant is ``label:flags`` (``$PAGEDWINDOW_NVCC_FLAGS`` of its build; empty: the default build); ``--src
 label=DIR`` runs that variant from another copy of the package (e.g. a prior commit's ``src`` unpacked beside
@@ -13,7 +13,9 @@ with ``bench.median_ms`` (host queued ahead): the attention workloads (``bench``
 (``prepare_paged_qkv``, checked as ``bench --prep`` checks it). The table gives each variant's median over the
 rounds with the rounds' range, and its ratio to the first variant's (below 1: faster). For the attention
 workloads it also says whether every variant wrote the same output bits (each process hashes its output; the
-inputs come from one seed), which a change meant to keep every sum's order must do.
+inputs come from one seed), which a change meant to keep every sum's order must do. ``--unchecked label`` (attention
+workloads only) times that variant without checking its output: a measurement build whose output is not attention
+(e.g. a bound on the loop's time with one operand taken from registers).
 """
 
 import argparse
@@ -96,9 +98,10 @@ def output_digest(out) -> str:
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
 
 
-def child(workloads: list[str], tile: int | None) -> None:
+def child(workloads: list[str], tile: int | None, check: bool = True) -> None:
     """One build's kernel ms per attention workload and a hash of its output, as one JSON line on stdout:
-    ``{"ms": {workload: ms}, "digest": {workload: hash}}``."""
+    ``{"ms": {workload: ms}, "digest": {workload: hash}}``; the output checked against the reference unless
+    ``check`` is false."""
     import torch
 
     from pagedwindow import bench
@@ -118,7 +121,7 @@ def child(workloads: list[str], tile: int | None) -> None:
         torch.cuda.synchronize()
         err = (made[0][1]().float() - want.float()).abs().max().item()
         bound = bench.OUTPUT_TOLERANCE * want.float().abs().max().item()
-        if not err <= bound:
+        if check and not err <= bound:
             raise SystemExit(f"{name}: max |out - ref| {err:.3e} over the bound {bound:.3e}")
         digests[name] = output_digest(made[0][1]())
         times[name] = bench.median_ms([call for call, _ in made], 200)
@@ -136,17 +139,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cta-tile-q", type=int, default=None)
     parser.add_argument("--json", help="write every round's times here")
+    parser.add_argument(
+        "--unchecked", action="append", default=[], help="label: time that variant without checking its output"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-check", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     workloads = args.workloads or list(DEFAULT_PREP_WORKLOADS if args.prep else DEFAULT_WORKLOADS)
     if args.child:
         if args.prep:
             prep_child(workloads)
         else:
-            child(workloads, args.cta_tile_q)
+            child(workloads, args.cta_tile_q, check=not args.no_check)
         return
     try:
         variants = parse_variants(args.variant, args.src)
+        for label in args.unchecked:
+            if label not in variants:
+                raise ValueError(f"--unchecked {label!r} names no variant (variants: {', '.join(variants)})")
+            if args.prep:
+                raise ValueError("--unchecked applies to attention workloads, not --prep")
         if not args.prep:
             from workload_names import attention_workload  # beside this script
 
@@ -165,7 +177,9 @@ def main() -> None:
     for order in shuffled_rounds(list(variants), args.rounds):
         for label in order:
             env = variant_env(dict(os.environ), variants[label])
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            proc = subprocess.run(
+                cmd + (["--no-check"] if label in args.unchecked else []), env=env, capture_output=True, text=True
+            )
             if proc.returncode != 0:
                 raise SystemExit(f"variant {label} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
             result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -182,6 +196,7 @@ def main() -> None:
                     "variants": {label: v["flags"] for label, v in variants.items()},
                     "sources": {label: v["src"] for label, v in variants.items()},
                     "prep": args.prep,
+                    "unchecked": args.unchecked,
                     "cta_tile_q": args.cta_tile_q,
                     "rounds": rounds,
                     "output_digests": None if args.prep else digests,

@@ -51,6 +51,13 @@ using Params = PwPrefillParams;
 #define PW_SM90_KV_FENCE 1
 #endif
 
+// A measurement build, not attention (PW_SM90_S_A_FROM_REGS=1; time it with variant_ab.py --unchecked): S's GEMM
+// takes its A operand from four registers (a word of Q each) at every k-step but the first, so that it reads only
+// K from shared memory. How much faster the loop runs bounds what Q's shared-memory reads cost it.
+#ifndef PW_SM90_S_A_FROM_REGS
+#define PW_SM90_S_A_FROM_REGS 0
+#endif
+
 // ------------------------------------------------------------------------------------------- shapes and bytes
 constexpr int kHeadDim = kPwPrefillHeadDim;                   // 256
 constexpr int kRowBytes = kHeadDim * 2;                       // one bf16 row of Q, K or V: 512 B

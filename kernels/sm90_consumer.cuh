@@ -114,6 +114,9 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
   // Issue (no fence, no commit) S = Q K^T for the tile in buffer st: 16 k-steps of 16 head dims, 64-column
   // block kk/4 and +32 B per k-step inside it. s[4n + e] = row (e < 2 ? g : g + 8) of the warp,
   // key kb + 8n + 2 c4 + (e & 1).
+#if PW_SM90_S_A_FROM_REGS
+  uint4 qa_bound = make_uint4(0, 0, 0, 0);
+#endif
   auto gemm_s = [&](int st) {
     const uint32_t dk = dk0 + st * (kKvBytes >> 4);
     wgmma_m64n64k16_ss_first(s, make_desc(dq), make_desc(dk));
@@ -121,7 +124,12 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
     for (int kk = 1; kk < kSKSteps; ++kk) {
       const uint32_t qo = (kk >> 2) * (C::kQBlockBytes >> 4) + (kk & 3) * 2;
       const uint32_t ko = (kk >> 2) * (kKvBlockBytes >> 4) + (kk & 3) * 2;
+#if PW_SM90_S_A_FROM_REGS  // a measurement build: A from four registers at every k-step but the first (not attention)
+      (void)qo;
+      wgmma_m64n64k16_rs_acc(s, qa_bound.x, qa_bound.y, qa_bound.z, qa_bound.w, make_desc(dk + ko));
+#else
       wgmma_m64n64k16_ss_acc(s, make_desc(dq + qo), make_desc(dk + ko));
+#endif
     }
   };
   // Issue (no fence, no commit) O += P V for the tile in buffer st: 4 k-steps of 16 keys = rows 16ks.. of V,
@@ -205,6 +213,9 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
   pin_o();  // materialise O = 0 before any wgmma is in flight
   WaitTrace trace(cw);
   trace.wait(kTraceSlotQ, sm.q_full(), 0);
+#if PW_SM90_S_A_FROM_REGS
+  qa_bound = ld_shared_v4(sm.q);  // the measurement build's A operand: four words of Q, every k-step
+#endif
   const int n_tiles = t.n_tiles;
   if (n_tiles > 0) {  // always true when rows_valid > 0; uniform across the CTA
     float alpha0, alpha1;

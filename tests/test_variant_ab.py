@@ -133,3 +133,44 @@ def test_the_parent_keeps_each_rounds_times_and_output_hashes(monkeypatch, tmp_p
         "new": {"prefill_1x8192": ["ab12"] * 2},
     }
     assert capsys.readouterr().out.rstrip().endswith("| 0.800 | same bits |")
+
+
+def test_an_unchecked_variant_runs_its_processes_without_the_output_check(monkeypatch, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    monkeypatch.syspath_prepend(str(_SCRIPT.parent))
+    seen = []
+
+    def fake_child(cmd, env, capture_output, text):
+        label = "bound" if env["PAGEDWINDOW_NVCC_FLAGS"] == "-DBOUND=1" else "main"
+        seen.append((label, "--no-check" in cmd))
+        line = {"ms": {"prefill_1x8192": 0.25}, "digest": {"prefill_1x8192": "ab12"}}
+        return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps(line) + "\n", stderr="")
+
+    monkeypatch.setattr(variant_ab.subprocess, "run", fake_child)
+    out = tmp_path / "ab.json"
+    argv = ["variant_ab.py", "--variant", "main:", "--variant", "bound:-DBOUND=1", "--unchecked", "bound"]
+    monkeypatch.setattr(sys, "argv", [*argv, "--workloads", "prefill_1x8192", "--rounds", "1", "--json", str(out)])
+    variant_ab.main()
+    assert sorted(seen) == [("bound", True), ("main", False)]
+    assert json.loads(out.read_text())["unchecked"] == ["bound"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--unchecked", "nope"], "--unchecked 'nope' names no variant (variants: main, new)"),
+        (["--unchecked", "new", "--prep"], "--unchecked applies to attention workloads, not --prep"),
+    ],
+)
+def test_an_unchecked_label_must_name_an_attention_variant(monkeypatch, capsys, extra, message):
+    import sys
+
+    monkeypatch.syspath_prepend(str(_SCRIPT.parent))
+    monkeypatch.setattr(variant_ab.subprocess, "run", lambda *a, **k: pytest.fail("no process may run"))
+    monkeypatch.setattr(sys, "argv", ["variant_ab.py", "--variant", "main:", "--variant", "new:-DX=1", *extra])
+    with pytest.raises(SystemExit):
+        variant_ab.main()
+    assert message in capsys.readouterr().err

@@ -121,7 +121,7 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
     const uint32_t dk = dk0 + st * (kKvBytes >> 4);
     wgmma_m64n64k16_ss_first(s, make_desc(dq), make_desc(dk));
 #pragma unroll
-    for (int kk = 1; kk < kSKSteps; ++kk) {
+    for (int kk = 1; kk < (PW_SM90_PROBE_HALF_S ? kSKSteps / 2 : kSKSteps); ++kk) {
       const uint32_t qo = (kk >> 2) * (C::kQBlockBytes >> 4) + (kk & 3) * 2;
       const uint32_t ko = (kk >> 2) * (kKvBlockBytes >> 4) + (kk & 3) * 2;
 #if PW_SM90_S_A_FROM_REGS  // a measurement build: A from four registers at every k-step but the first (not attention)
@@ -149,6 +149,10 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
   // Neither O nor pf is touched here: a PV GEMM may still be reading pf and accumulating into O (ptxas
   // serialises every wgmma if a wgmma input register is written while any wgmma is in flight).
   auto softmax_p = [&](int j, float& alpha0, float& alpha1) {
+    if constexpr (PW_SM90_PROBE_NO_SOFTMAX) {  // a measurement build: P = S, O never rescaled (not attention)
+      alpha0 = alpha1 = 1.f;
+      return;
+    }
     auto at = [&](int n, int e) -> float& { return s[4 * n + e]; };
     const int kb = t.kv_start + j * kKvTile;
     const bool full_tile = (kb + kKvTile - 1 <= wq_first) && (wl < 0 || kb >= wq_last - wl);

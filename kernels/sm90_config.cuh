@@ -35,14 +35,9 @@ using Params = PwPrefillParams;
 #endif
 
 // The consumers' schedule. PW_SM90_PINGPONG (1, the default): two consumer warpgroups take turns issuing their
-// GEMMs (FlashAttention-3's warp-scheduler barrier); 0: each issues as soon as its data is ready.
-// PW_SM90_RESCALE_BEFORE_PV (0, the default): O is rescaled by softmax(j + 1)'s factors once PV(j) has completed;
-// 1: O is rescaled by softmax(j)'s factors between the issue of S(j + 1) and of PV(j), while S(j + 1) runs.
+// GEMMs (FlashAttention-3's warp-scheduler barrier); 0: each issues as soon as its data is ready (run 150: level).
 #ifndef PW_SM90_PINGPONG
 #define PW_SM90_PINGPONG 1
-#endif
-#ifndef PW_SM90_RESCALE_BEFORE_PV
-#define PW_SM90_RESCALE_BEFORE_PV 0
 #endif
 // PW_SM90_KV_FENCE (1, the default): a consumer fences the proxies (fence.proxy.async) after every wait for a K or V
 // tile; 0: only where the tile's rows came by cp.async alone (kTma false). With bulk tensor copies the only rows a

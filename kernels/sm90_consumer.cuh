@@ -202,7 +202,6 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
     }
   };
   const PingPong<kWG> pp{cw};
-  constexpr bool kRescaleBeforePv = PW_SM90_RESCALE_BEFORE_PV;
   constexpr bool kKvFence = PW_SM90_KV_FENCE || !kTma;
 
   // Schedule (per consumer warpgroup; a turn is issuing GEMMs, see PingPong):
@@ -210,8 +209,7 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
   //   for j < n-1:  turn j+1: S(j+1), PV(j);  wait S(j+1);  release K(j+1);  softmax(j+1) -> P(j+1) while
   //                 PV(j) runs;  wait PV(j);  release V(j);  rescale O
   //   turn n: PV(n-1);  wait
-  // With PW_SM90_RESCALE_BEFORE_PV=1 the rescale by softmax(j)'s factors moves into turn j+1, between the issue of
-  // S(j+1) and of PV(j) (and into turn n, before PV(n-1)); with PW_SM90_PINGPONG=0 a turn is not waited for.
+  // With PW_SM90_PINGPONG=0 a turn is not waited for.
   // No wgmma is in flight across a loop edge or a conditional path (ptxas would otherwise serialise every
   // wgmma); the last tile is peeled.
   pin_o();  // materialise O = 0 before any wgmma is in flight
@@ -235,7 +233,7 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
     wgmma_wait<0>();
     pin_s();
     release(sm.empty_k(0));
-    softmax_p(0, alpha0, alpha1);  // O is 0: rescaling it (PW_SM90_RESCALE_BEFORE_PV) leaves it 0
+    softmax_p(0, alpha0, alpha1);  // O is 0: no rescale needed
     pack_p();
 
 #pragma unroll 1
@@ -251,12 +249,6 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
       pin_o();
       gemm_s(stage_of(j1));
       wgmma_commit();
-      if constexpr (kRescaleBeforePv) {  // O *= softmax(j)'s factors while S(j+1) runs (O is in no wgmma yet)
-        pin_o();
-        rescale_o(alpha0, alpha1);
-        pin_o();
-        wgmma_fence();
-      }
       gemm_pv(stage_of(j));
       wgmma_commit();
       pp.pass_turn();
@@ -274,7 +266,7 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
       pin_o();
       pin_p();
       release(sm.empty_v(stage_of(j)));
-      if constexpr (!kRescaleBeforePv) rescale_o(alpha0, alpha1);
+      rescale_o(alpha0, alpha1);
       pack_p();
     }
 
@@ -283,7 +275,6 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
     trace.wait(kTraceSlotLastV, sm.full_v(stage_of(n_tiles - 1)), parity_of(n_tiles - 1));
     if constexpr (kKvFence) fence_proxy_async();
     pp.wait_turn();
-    if constexpr (kRescaleBeforePv) rescale_o(alpha0, alpha1);
     wgmma_fence();
     pin_o();
     gemm_pv(stage_of(n_tiles - 1));

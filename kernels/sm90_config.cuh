@@ -52,11 +52,15 @@ using Params = PwPrefillParams;
 #ifndef PW_SM90_S_A_FROM_REGS
 #define PW_SM90_S_A_FROM_REGS 0
 #endif
-// Two more measurement builds of the loop, not attention either: PW_SM90_PROBE_NO_SOFTMAX=1 skips the mask and the
-// online softmax (P is S itself, O is never rescaled); PW_SM90_PROBE_HALF_S=1 runs 8 of S's 16 k-steps (head dims
-// 0..127). How much each takes off the loop says how much of it the softmax, and S's GEMM, hold on the critical path.
+// More measurement builds of the loop, not attention either: PW_SM90_PROBE_NO_SOFTMAX=1 skips the mask and the
+// online softmax (P is S itself, O is never rescaled); PW_SM90_PROBE_NO_RESCALE=1 keeps the softmax and drops O's
+// rescale (the factors forced to 1); PW_SM90_PROBE_HALF_S=1 runs 8 of S's 16 k-steps (head dims 0..127). How much each
+// takes off the loop says how much of it the softmax, the rescale and S's GEMM hold on the critical path.
 #ifndef PW_SM90_PROBE_NO_SOFTMAX
 #define PW_SM90_PROBE_NO_SOFTMAX 0
+#endif
+#ifndef PW_SM90_PROBE_NO_RESCALE
+#define PW_SM90_PROBE_NO_RESCALE 0
 #endif
 #ifndef PW_SM90_PROBE_HALF_S
 #define PW_SM90_PROBE_HALF_S 0

@@ -158,6 +158,7 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
     const bool full_tile = (kb + kKvTile - 1 <= wq_first) && (wl < 0 || kb >= wq_last - wl);
     if (!full_tile) pw_softmax::mask_tile(at, kb, c4, lo0, qp0, lo1, qp1);
     softmax.step(at, sl2, alpha0, alpha1);
+    if constexpr (PW_SM90_PROBE_NO_RESCALE) alpha0 = alpha1 = 1.f;  // a measurement build (not attention)
   };
   // P (fp32, in s) -> bf16 wgmma A fragments in pf (same per-warp layout as mma.m16n8k16's A): k-step ks =
   // keys 16ks .. 16ks+15 = S n-tiles 2ks (keys +0..7) and 2ks+1 (keys +8..15). Only with no wgmma in flight.

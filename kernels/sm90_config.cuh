@@ -39,6 +39,11 @@ using Params = PwPrefillParams;
 #ifndef PW_SM90_PINGPONG
 #define PW_SM90_PINGPONG 1
 #endif
+// PW_SM90_UNIFORM_WG (0, the default): the consumer warpgroup index from threadIdx; 1: broadcast from lane 0, so
+// that the wgmma descriptors derived from it are warp-uniform to ptxas (sm90_consumer.cuh, consumer_warpgroup).
+#ifndef PW_SM90_UNIFORM_WG
+#define PW_SM90_UNIFORM_WG 0
+#endif
 // PW_SM90_KV_FENCE (1, the default): a consumer fences the proxies (fence.proxy.async) after every wait for a K or V
 // tile; 0: only where the tile's rows came by cp.async alone (kTma false). With bulk tensor copies the only rows a
 // thread writes (the chunk past kv_len) are fenced by the producer warp that wrote them, before its arrive.

@@ -1,7 +1,7 @@
 """The wrappers' calls the call-gate tests make, on any device: a batch, its calls with ``backend="cuda"`` (tensors
 overridden by keyword), and per wrapper the bad tensors each gets with the checked path's error text. Shared by
 ``test_cuda_launch_gate.py`` (a GPU, the kernels) and ``test_launch_gate_api.py`` (a CPU, the launchers
-stubbed)."""
+stubbed); ``test_cuda_prepare.py`` takes its norm weights from :func:`weights`."""
 
 import pytest
 import torch

@@ -10,6 +10,8 @@ import torch
 import pagedwindow as pw
 from pagedwindow.testing import random_batch
 
+from .gate_calls import weights
+
 pytestmark = pytest.mark.cuda
 
 EPS, THETA = 1e-6, 10000.0
@@ -29,13 +31,6 @@ def _batch(seed, *, dtype, head_dim, seq_lens=(37, 0, 1, 130), starts=(0, 50, 40
         dtype=dtype,
         device="cuda",
     )
-
-
-def _weights(seed, head_dim, dtype):
-    gen = torch.Generator().manual_seed(seed)
-    wq = (1.0 + 0.5 * torch.randn(head_dim, generator=gen)).to(device="cuda", dtype=dtype)
-    wk = (1.0 + 0.5 * torch.randn(head_dim, generator=gen)).to(device="cuda", dtype=dtype)
-    return wq, wk
 
 
 def _prep(b, q, k, v, pool, wq, wk, *, backend, norm_style="gemma4", factor=1.0, out_q=None):
@@ -77,7 +72,7 @@ def _within_rounding(got: torch.Tensor, truth: torch.Tensor, dtype) -> float:
 @pytest.mark.parametrize("norm_style", ["gemma4", "gemma3"])
 def test_kernel_rounds_the_float64_truth_once(dtype, head_dim, norm_style):
     b = _batch(head_dim + len(norm_style), dtype=dtype, head_dim=head_dim)
-    wq, wk = _weights(head_dim, head_dim, dtype)
+    wq, wk = weights(head_dim, dtype, "cuda", head_dim=head_dim)
     want_q, want_pool = _truth(b, wq, wk, norm_style=norm_style)
     pool = b.pool.clone()
     ref_pool = b.pool.clone()
@@ -97,7 +92,7 @@ def test_many_units_per_cta_match_the_truth(dtype, head_dim, norm_style):
     """The persistent grid with many units per CTA (3603 tokens; at fp32, head_dim 512 a unit holds 8 of a
     token's 32 rows, so four units per token), ragged and empty requests: every row is the truth rounded once."""
     b = _batch(11, dtype=dtype, head_dim=head_dim, seq_lens=(1500, 3, 0, 2100), starts=(0, 7, 100, 9000), hq=16, hkv=8)
-    wq, wk = _weights(11, head_dim, dtype)
+    wq, wk = weights(11, dtype, "cuda", head_dim=head_dim)
     want_q, want_pool = _truth(b, wq, wk, norm_style=norm_style)
     pool = b.pool.clone()
     got = _prep(b, b.q, b.k, b.v, pool, wq, wk, backend="cuda", norm_style=norm_style)
@@ -109,7 +104,7 @@ def test_many_units_per_cta_match_the_truth(dtype, head_dim, norm_style):
 def test_far_positions_rotate_like_the_truth():
     """Angles up to 2^20 * inv_freq[0] rad: the kernel's reduction of the fp32 angle must stay exact."""
     b = _batch(5, dtype=torch.float32, head_dim=64, seq_lens=(9, 3), starts=(1 << 20, 131_000), hq=2, hkv=1, ps=256)
-    wq, wk = _weights(5, 64, torch.float32)
+    wq, wk = weights(5, torch.float32, "cuda", head_dim=64)
     want_q, want_pool = _truth(b, wq, wk)
     pool = b.pool.clone()
     got = _prep(b, b.q, b.k, b.v, pool, wq, wk, backend="cuda")
@@ -119,7 +114,7 @@ def test_far_positions_rotate_like_the_truth():
 
 def test_fp32_weights_on_a_bf16_pool_and_a_position_factor():
     b = _batch(6, dtype=torch.bfloat16, head_dim=256)
-    wq, wk = _weights(6, 256, torch.float32)
+    wq, wk = weights(6, torch.float32, "cuda", head_dim=256)
     want_q, want_pool = _truth(b, wq, wk, factor=8.0)
     pool = b.pool.clone()
     got = _prep(b, b.q, b.k, b.v, pool, wq, wk, backend="cuda", factor=8.0)
@@ -130,7 +125,7 @@ def test_fp32_weights_on_a_bf16_pool_and_a_position_factor():
 def test_rows_past_total_tokens_and_bytes_outside_the_slots_are_untouched():
     b = _batch(7, dtype=torch.bfloat16, head_dim=256)
     n = b.plan.total_tokens
-    wq, wk = _weights(7, 256, torch.bfloat16)
+    wq, wk = weights(7, torch.bfloat16, "cuda", head_dim=256)
     out_q = torch.full((n + 5, 8, 256), float("nan"), dtype=torch.bfloat16, device="cuda")
     pool = b.pool.clone()
     _prep(b, b.q, b.k, b.v, pool, wq, wk, backend="cuda", out_q=out_q)
@@ -167,7 +162,7 @@ def test_cuda_graph_replay_across_plan_updates_equals_eager():
     v = torch.zeros_like(k)
     out_q = torch.empty_like(q)
     out = torch.empty_like(q)
-    wq, wk = _weights(8, d, torch.bfloat16)
+    wq, wk = weights(8, torch.bfloat16, "cuda", head_dim=d)
 
     def step():
         pw.prepare_paged_qkv(
@@ -253,7 +248,7 @@ def test_cuda_graph_replay_across_plan_updates_equals_eager():
 
 def test_torch_compile_fullgraph_equals_eager():
     b = _batch(9, dtype=torch.bfloat16, head_dim=256)
-    wq, wk = _weights(9, 256, torch.bfloat16)
+    wq, wk = weights(9, torch.bfloat16, "cuda", head_dim=256)
     eager_pool, compiled_pool = b.pool.clone(), b.pool.clone()
     eager = _prep(b, b.q, b.k, b.v, eager_pool, wq, wk, backend="cuda")
 
@@ -267,7 +262,7 @@ def test_torch_compile_fullgraph_equals_eager():
 
 def test_opcheck_prepare_op():
     b = _batch(10, dtype=torch.bfloat16, head_dim=256)
-    wq, wk = _weights(10, 256, torch.bfloat16)
+    wq, wk = weights(10, torch.bfloat16, "cuda", head_dim=256)
     plan = b.plan
     geo = pw.checked_paged_geometry("t", b.layout, b.pool, b.layer, 256, plan.num_kv_heads)
     out_q = torch.empty_like(b.q)
@@ -302,7 +297,7 @@ def test_opcheck_prepare_op():
 
 def test_auto_runs_the_kernel_and_falls_back_on_misaligned_tensors():
     b = _batch(11, dtype=torch.bfloat16, head_dim=256)
-    wq, wk = _weights(11, 256, torch.bfloat16)
+    wq, wk = weights(11, torch.bfloat16, "cuda", head_dim=256)
     auto_pool, cuda_pool = b.pool.clone(), b.pool.clone()
     with warnings.catch_warnings():
         warnings.simplefilter("error")

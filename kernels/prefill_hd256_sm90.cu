@@ -59,14 +59,14 @@ using pw_tile::TileGeometry;
 // ------------------------------------------------------------------------------------------------ the kernel
 #ifdef PW_SM90_DEVICE_CODE
 // A consumer warpgroup's role: its mainloop over the tile's KV tiles, then its epilogue.
-template <int kCtaQ, int kWG, bool kTma>
+template <int kCtaQ, int kWG>
 __device__ __forceinline__ void consumer(const Params& p, const Smem<kCtaQ, kWG>& sm, const CUtensorMap* map_o,
                                          bool o_bulk) {
   const TileGeometry t = pw_tile::tile_geometry<kCtaQ, kKvTile>(p, blockIdx.x);
   const ConsumerThread th(p);
   float o[kORegs];                    // O: this thread's fragment of the warpgroup's 64 x 256 fp32 accumulator
   pw_softmax::OnlineSoftmax softmax;  // rows g and g + 8: running max and row sums
-  consumer_mainloop<kCtaQ, kWG, kTma>(p, sm, t, th, o, softmax);
+  consumer_mainloop<kCtaQ, kWG>(p, sm, t, th, o, softmax);
   consumer_epilogue<kCtaQ, kWG>(p, sm, t, th, o, softmax, map_o, o_bulk);
   trace_consumer_exit(th.cw);  // a -DPW_SM90_WAIT_TRACE=1 build only
 }
@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(Cfg<kCtaQ, kWG>::kThreads, Cfg<kCtaQ, kWG>::kM
     }
   } else {  // warpgroups 1 .. kWG: the consumers (mainloop, then epilogue)
     if constexpr (C::kSetMaxNReg) setmaxnreg_inc<C::kConsumerRegs>();
-    consumer<kCtaQ, kWG, kTma>(p, sm, &map_o, o_bulk != 0);
+    consumer<kCtaQ, kWG>(p, sm, &map_o, o_bulk != 0);
   }
 #endif  // PW_SM90_DEVICE_CODE
 }

@@ -44,12 +44,6 @@ using Params = PwPrefillParams;
 #ifndef PW_SM90_UNIFORM_WG
 #define PW_SM90_UNIFORM_WG 0
 #endif
-// PW_SM90_KV_FENCE (1, the default): a consumer fences the proxies (fence.proxy.async) after every wait for a K or V
-// tile; 0: only where the tile's rows came by cp.async alone (kTma false). With bulk tensor copies the only rows a
-// thread writes (the chunk past kv_len) are fenced by the producer warp that wrote them, before its arrive.
-#ifndef PW_SM90_KV_FENCE
-#define PW_SM90_KV_FENCE 1
-#endif
 
 // A measurement build, not attention (PW_SM90_S_A_FROM_REGS=1; time it with variant_ab.py --unchecked): S's GEMM
 // takes its A operand from four registers (a word of Q each) at every k-step but the first, so that it reads only

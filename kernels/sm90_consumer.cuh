@@ -92,7 +92,7 @@ constexpr int kPvKSteps = kKvTile / 16;  // k-steps of O += P V: 16 keys each
 
 // The mainloop of consumer warpgroup th.cw (0 .. kWG-1), which owns packed rows [64 cw, 64 cw + 64) of the tile:
 // leaves this thread's fragment of O (unnormalised) in o and its rows' running max and sums in softmax.
-template <int kCtaQ, int kWG, bool kTma>
+template <int kCtaQ, int kWG>
 __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kCtaQ, kWG>& sm, const TileGeometry& t,
                                                   const ConsumerThread& th, float (&o)[kORegs],
                                                   pw_softmax::OnlineSoftmax& softmax) {
@@ -212,7 +212,6 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
     }
   };
   const PingPong<kWG> pp{cw};
-  constexpr bool kKvFence = PW_SM90_KV_FENCE || !kTma;
 
   // Schedule (per consumer warpgroup; a turn is issuing GEMMs, see PingPong):
   //   turn 0: S(0);  wait;  softmax(0) -> P(0)
@@ -252,7 +251,7 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
       trace.iteration(j);
       trace.wait_k(j, sm.full_k(stage_of(j1)), parity_of(j1));
       trace.wait_v(j, sm.full_v(stage_of(j)), parity_of(j));
-      if constexpr (kKvFence) fence_proxy_async();
+      fence_proxy_async();
       // ---- turn j+1: S(j+1), then PV(j) (two commit groups, in this order)
       pp.wait_turn();
       wgmma_fence();
@@ -283,7 +282,7 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
     trace.finish(n_tiles - 1, n_tiles);
     // ---- turn n: PV(n-1)
     trace.wait(kTraceSlotLastV, sm.full_v(stage_of(n_tiles - 1)), parity_of(n_tiles - 1));
-    if constexpr (kKvFence) fence_proxy_async();
+    fence_proxy_async();
     pp.wait_turn();
     wgmma_fence();
     pin_o();

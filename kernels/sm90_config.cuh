@@ -44,11 +44,6 @@ using Params = PwPrefillParams;
 #ifndef PW_SM90_UNIFORM_WG
 #define PW_SM90_UNIFORM_WG 0
 #endif
-// PW_SM90_SKIP_UNIT_RESCALE (0, the default): O is rescaled after every tile; 1: a warp skips the rescale when every
-// one of its rows' factors is exactly 1 (no row's running max moved), which leaves O's bits as they were.
-#ifndef PW_SM90_SKIP_UNIT_RESCALE
-#define PW_SM90_SKIP_UNIT_RESCALE 0
-#endif
 
 // A measurement build, not attention (PW_SM90_S_A_FROM_REGS=1; time it with variant_ab.py --unchecked): S's GEMM
 // takes its A operand from four registers (a word of Q each) at every k-step but the first, so that it reads only

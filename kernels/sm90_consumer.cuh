@@ -275,10 +275,7 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
       pin_o();
       pin_p();
       release(sm.empty_v(stage_of(j)));
-      // x * 1 == x: a warp none of whose rows' max moved may skip its rescale without changing O's bits.
-      if (!PW_SM90_SKIP_UNIT_RESCALE || __any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) {
-        rescale_o(alpha0, alpha1);
-      }
+      rescale_o(alpha0, alpha1);
       pack_p();
     }
 

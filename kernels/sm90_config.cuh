@@ -39,22 +39,12 @@ using Params = PwPrefillParams;
 #ifndef PW_SM90_PINGPONG
 #define PW_SM90_PINGPONG 1
 #endif
-// PW_SM90_UNIFORM_WG (0, the default): the consumer warpgroup index from threadIdx; 1: broadcast from lane 0, so
-// that the wgmma descriptors derived from it are warp-uniform to ptxas (sm90_consumer.cuh, consumer_warpgroup).
-#ifndef PW_SM90_UNIFORM_WG
-#define PW_SM90_UNIFORM_WG 0
-#endif
 
-// A measurement build, not attention (PW_SM90_S_A_FROM_REGS=1; time it with variant_ab.py --unchecked): S's GEMM
-// takes its A operand from four registers (a word of Q each) at every k-step but the first, so that it reads only
-// K from shared memory. How much faster the loop runs bounds what Q's shared-memory reads cost it.
-#ifndef PW_SM90_S_A_FROM_REGS
-#define PW_SM90_S_A_FROM_REGS 0
-#endif
-// More measurement builds of the loop, not attention either: PW_SM90_PROBE_NO_SOFTMAX=1 skips the mask and the
-// online softmax (P is S itself, O is never rescaled); PW_SM90_PROBE_NO_RESCALE=1 keeps the softmax and drops O's
-// rescale (the factors forced to 1); PW_SM90_PROBE_HALF_S=1 runs 8 of S's 16 k-steps (head dims 0..127). How much each
-// takes off the loop says how much of it the softmax, the rescale and S's GEMM hold on the critical path.
+// Measurement builds of the loop, not attention (time them with variant_ab.py --unchecked):
+// PW_SM90_PROBE_NO_SOFTMAX=1 skips the mask and the online softmax (P is S itself, O is never rescaled);
+// PW_SM90_PROBE_NO_RESCALE=1 keeps the softmax and drops O's rescale (the factors forced to 1);
+// PW_SM90_PROBE_HALF_S=1 runs 8 of S's 16 k-steps (head dims 0..127). How much each takes off the loop says how
+// much of it the softmax, the rescale and S's GEMM hold on the critical path.
 #ifndef PW_SM90_PROBE_NO_SOFTMAX
 #define PW_SM90_PROBE_NO_SOFTMAX 0
 #endif

@@ -28,15 +28,6 @@ namespace pw_prefill_sm90 {
 using pw_tile::qpos_of;
 using pw_tile::TileGeometry;
 
-// This thread's consumer warpgroup, 0 .. kWG-1 (warpgroup 1 + cw of the CTA). With PW_SM90_UNIFORM_WG=1 the value
-// comes from lane 0 by a shuffle, which ptxas knows to be the same in every lane of the warp: the wgmma descriptors
-// built from it then stay in uniform registers (SASS of the 128-row tile: a turn's 20 wgmmas issued in 56
-// instructions instead of 141, the loop 588 instructions a warp instead of 645; level in kernel time, run 152).
-__device__ __forceinline__ int consumer_warpgroup() {
-  const int cw = static_cast<int>(threadIdx.x >> 7) - 1;
-  return PW_SM90_UNIFORM_WG ? __shfl_sync(0xffffffffu, cw, 0) : cw;
-}
-
 // A consumer thread's place in the CTA, and the two parameters its rows' positions need (read once).
 struct ConsumerThread {
   int kv_head;      // blockIdx.y
@@ -49,7 +40,7 @@ struct ConsumerThread {
   int lrow0;        // this thread's rows of the tile: lrow0 (index 0) and lrow0 + 8 (index 1)
   __device__ __forceinline__ explicit ConsumerThread(const Params& p)
       : kv_head(blockIdx.y),
-        cw(consumer_warpgroup()),
+        cw((threadIdx.x >> 7) - 1),
         warp((threadIdx.x >> 5) & 3),
         lane(threadIdx.x & 31),
         g(lane >> 2),
@@ -123,9 +114,6 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
   // Issue (no fence, no commit) S = Q K^T for the tile in buffer st: 16 k-steps of 16 head dims, 64-column
   // block kk/4 and +32 B per k-step inside it. s[4n + e] = row (e < 2 ? g : g + 8) of the warp,
   // key kb + 8n + 2 c4 + (e & 1).
-#if PW_SM90_S_A_FROM_REGS
-  uint4 qa_bound = make_uint4(0, 0, 0, 0);
-#endif
   auto gemm_s = [&](int st) {
     const uint32_t dk = dk0 + st * (kKvBytes >> 4);
     wgmma_m64n64k16_ss_first(s, make_desc(dq), make_desc(dk));
@@ -133,12 +121,7 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
     for (int kk = 1; kk < (PW_SM90_PROBE_HALF_S ? kSKSteps / 2 : kSKSteps); ++kk) {
       const uint32_t qo = (kk >> 2) * (C::kQBlockBytes >> 4) + (kk & 3) * 2;
       const uint32_t ko = (kk >> 2) * (kKvBlockBytes >> 4) + (kk & 3) * 2;
-#if PW_SM90_S_A_FROM_REGS  // a measurement build: A from four registers at every k-step but the first (not attention)
-      (void)qo;
-      wgmma_m64n64k16_rs_acc(s, qa_bound.x, qa_bound.y, qa_bound.z, qa_bound.w, make_desc(dk + ko));
-#else
       wgmma_m64n64k16_ss_acc(s, make_desc(dq + qo), make_desc(dk + ko));
-#endif
     }
   };
   // Issue (no fence, no commit) O += P V for the tile in buffer st: 4 k-steps of 16 keys = rows 16ks.. of V,
@@ -224,9 +207,6 @@ __device__ __forceinline__ void consumer_mainloop(const Params& p, const Smem<kC
   pin_o();  // materialise O = 0 before any wgmma is in flight
   WaitTrace trace(cw);
   trace.wait(kTraceSlotQ, sm.q_full(), 0);
-#if PW_SM90_S_A_FROM_REGS
-  qa_bound = ld_shared_v4(sm.q);  // the measurement build's A operand: four words of Q, every k-step
-#endif
   const int n_tiles = t.n_tiles;
   if (n_tiles > 0) {  // always true when rows_valid > 0; uniform across the CTA
     float alpha0, alpha1;

@@ -222,24 +222,6 @@ __device__ __forceinline__ void wgmma_m64n64k16_ss_acc(float (&d)[32], uint64_t 
       : "l"(desc_a), "l"(desc_b), "n"(1));
 }
 
-#if PW_SM90_S_A_FROM_REGS
-// D(64x64, fp32) += A(64x16, registers) * B(16x64, smem, K-major). A measurement build's S GEMM only.
-__device__ __forceinline__ void wgmma_m64n64k16_rs_acc(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2,
-                                                       uint32_t a3, uint64_t desc_b) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
-      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31 "
-      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "n"(1));
-}
-#endif
-
 // D(64x256, fp32) += A(64x16, registers) * B(16x256, smem, MN-major = transposed).
 __device__ __forceinline__ void wgmma_m64n256k16_rs_tb(float (&d)[128], uint32_t a0, uint32_t a1, uint32_t a2,
                                                        uint32_t a3, uint64_t desc_b) {

@@ -1,19 +1,16 @@
 """benchmarks/decode_trace.py's reading of the decode kernel's timeline (CPU only: the traced launch needs a CUDA
 GPU). The trace's layout is kernels/decode_trace.cuh's."""
 
-import importlib.util
 import os
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-_ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("decode_trace", _ROOT / "benchmarks" / "decode_trace.py")
-decode_trace = importlib.util.module_from_spec(_spec)
+from .benchmark_scripts import BENCHMARKS, load_benchmark_script
+
 _flags_before = os.environ.get("PAGEDWINDOW_NVCC_FLAGS")
-_spec.loader.exec_module(decode_trace)
+decode_trace = load_benchmark_script("decode_trace")
 S = decode_trace.SLOT
 
 
@@ -23,7 +20,7 @@ def test_importing_the_script_leaves_the_build_flags_alone():
 
 def test_the_slots_are_the_kernels():
     """The script's slot names, in order, are the header's DecodeTraceSlot enumerators (kSlotEntryNs: entry_ns)."""
-    header = (_ROOT / "kernels" / "decode_trace.cuh").read_text()
+    header = (BENCHMARKS.parent / "kernels" / "decode_trace.cuh").read_text()
     body = re.search(r"enum DecodeTraceSlot : int \{(.*?)\};", header, re.S).group(1)
     names = [n.strip() for n in body.split(",") if n.strip()]
     assert names[-1] == "kDecodeTraceSlots"

@@ -1,12 +1,8 @@
 """benchmarks/lazy_rescale_emulation.py: the CPU emulation of the kernels' online softmax that NOTES.md quotes."""
 
-import importlib.util
-from pathlib import Path
+from .benchmark_scripts import load_benchmark_script
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "lazy_rescale_emulation.py"
-_spec = importlib.util.spec_from_file_location("lazy_rescale_emulation", _SCRIPT)
-emulation = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(emulation)
+emulation = load_benchmark_script("lazy_rescale_emulation")
 
 
 def test_the_kernels_schedule_is_attention_within_bf16_rounding_and_rescales_nearly_every_warp_tile():

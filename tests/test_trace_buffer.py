@@ -2,17 +2,13 @@
 the readout itself needs a CUDA device)."""
 
 import ctypes
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "trace_buffer", Path(__file__).resolve().parents[1] / "benchmarks" / "trace_buffer.py"
-)
-trace_buffer = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(trace_buffer)
+from .benchmark_scripts import load_benchmark_script
+
+trace_buffer = load_benchmark_script("trace_buffer")
 
 
 class FakeReadout:

@@ -1,16 +1,13 @@
 """benchmarks/variant_ab.py's variant specs and the environment each variant's process gets (CPU only: the timed
 children need a GPU)."""
 
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 
-_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "variant_ab.py"
-_spec = importlib.util.spec_from_file_location("variant_ab", _SCRIPT)
-variant_ab = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(variant_ab)
+from .benchmark_scripts import BENCHMARKS, load_benchmark_script
+
+variant_ab = load_benchmark_script("variant_ab")
 
 
 def test_variants_keep_their_order_flags_and_sources():
@@ -58,7 +55,7 @@ def test_attention_workloads_are_the_packages_named_workloads(monkeypatch):
     workload raises."""
     from pagedwindow import bench
 
-    monkeypatch.syspath_prepend(str(_SCRIPT.parent))  # variant_ab imports workload_names from beside it
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # variant_ab imports workload_names from beside it
     from workload_names import attention_workload
 
     assert attention_workload("prefill_1x8192") is bench.WORKLOADS["prefill_1x8192"]
@@ -110,7 +107,7 @@ def test_the_parent_keeps_each_rounds_times_and_output_hashes(monkeypatch, tmp_p
     import subprocess
     import sys
 
-    monkeypatch.syspath_prepend(str(_SCRIPT.parent))  # workload names are checked before any process runs
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # workload names are checked before any process runs
     seen = []
 
     def fake_child(cmd, env, capture_output, text):  # what a timed child prints: times and output hashes
@@ -140,7 +137,7 @@ def test_an_unchecked_variant_runs_its_processes_without_the_output_check(monkey
     import subprocess
     import sys
 
-    monkeypatch.syspath_prepend(str(_SCRIPT.parent))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     seen = []
 
     def fake_child(cmd, env, capture_output, text):
@@ -168,7 +165,7 @@ def test_an_unchecked_variant_runs_its_processes_without_the_output_check(monkey
 def test_an_unchecked_label_must_name_an_attention_variant(monkeypatch, capsys, extra, message):
     import sys
 
-    monkeypatch.syspath_prepend(str(_SCRIPT.parent))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
     monkeypatch.setattr(variant_ab.subprocess, "run", lambda *a, **k: pytest.fail("no process may run"))
     monkeypatch.setattr(sys, "argv", ["variant_ab.py", "--variant", "main:", "--variant", "new:-DX=1", *extra])
     with pytest.raises(SystemExit):

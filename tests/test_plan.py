@@ -135,7 +135,13 @@ def _waves(tile: int, waves128: int, waves64: int, split: str = "") -> str:
     "seq_lens, kv_len, group, tile, reason",
     [
         ([8], 8, 2, 16, "policy sm_90: at most 16 packed rows per request (decode)"),
-        ([4, 0, 4], 4096, 2, 16, "policy sm_90: at most 8 packed rows per request (decode)"),
+        (
+            [4, 0, 4],
+            4096,
+            2,
+            16,
+            "policy sm_90: at most 8 packed rows per request, 16 in all on 4096 keys (few on long keys)",
+        ),
         ([0], 1, 4, 16, "policy sm_90: at most 0 packed rows per request (decode)"),
         ([1, 1, 1, 1, 1, 1, 1, 1, 1], 9, 2, 16, "policy sm_90: at most 2 packed rows per request (decode)"),
         ([8] * 64, 4104, 2, 16, "policy sm_90: at most 16 packed rows per request (decode)"),  # 512 items: no split
@@ -171,21 +177,52 @@ def test_tile_for_batch_on_a_cpu_host_is_the_hopper_rule(seq_lens, kv_len, group
         np.array(seq_lens, dtype=np.int64), group, 8, "cpu", longest_kv_len=lambda: asked.append(1) or kv_len
     )
     assert got == (tile, reason), got
-    assert len(asked) == (tiles.SPLIT_ROWS < max(seq_lens) * group <= tiles.SHORT_ROWS)  # only when needed
+    assert len(asked) == (tiles.DECODE_ROWS < max(seq_lens) * group <= tiles.SHORT_ROWS)  # only when needed
 
 
 def test_tile_16_splits_its_tiles_unless_the_keys_or_the_prefill_grid_are_too_few():
-    """16-row tiles stay at 16 when the decode kernel would not split them (too few keys) or when the prefill grid
-    would be smaller than MIN_PREFILL_GRID; 8-row tiles stay at 16 whatever the split."""
+    """Tiles of more than DECODE_ROWS rows stay at 16 when the decode kernel would not split them (too few keys)
+    or when the prefill grid would be smaller than MIN_PREFILL_GRID; 2-row tiles stay at 16 whatever the split."""
     seq = np.array([8] * 8)
     assert tiles.tile_for_batch(seq, 2, 8, "cpu", longest_kv_len=lambda: 63)[0] == 16  # one step of keys a split
     assert tiles.tile_for_batch(seq, 2, 8, "cpu", longest_kv_len=lambda: 64)[0] == 64
     assert tiles.tile_for_batch(np.array([1]), 16, 1, "cpu", longest_kv_len=lambda: 4096) == (
         16,
-        "policy sm_90: at most 16 packed rows per request (decode)",
+        "policy sm_90: at most 16 packed rows per request, 16 in all on 4096 keys (few on long keys)",
     )
-    assert tiles.tile_for_batch(np.array([8]), 2, 8, "cpu", longest_kv_len=lambda: 4096)[0] == 64  # grid 8
-    assert tiles.tile_for_batch(np.array([4] * 8), 2, 8, "cpu", longest_kv_len=lambda: 4096)[0] == 16  # 8 rows
+    assert tiles.tile_for_batch(np.array([1]), 16, 1, "cpu", longest_kv_len=lambda: 244) == (
+        16,
+        "policy sm_90: at most 16 packed rows per request (decode)",  # a prefill grid of one CTA
+    )
+    assert tiles.tile_for_batch(np.array([8]), 2, 8, "cpu", longest_kv_len=lambda: 244)[0] == 64  # grid 8
+    assert tiles.tile_for_batch(np.array([4] * 8), 2, 8, "cpu", longest_kv_len=lambda: 4104)[0] == 64  # 64 rows
+    assert tiles.tile_for_batch(np.array([1] * 64), 2, 8, "cpu", longest_kv_len=lambda: 4104)[0] == 16  # 2 rows
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "kv_len", "tile"),
+    [
+        # measured on an H100 (run 158, window 1023): tile 16 where it was faster or level, else 64
+        ([4], 4100, 16),  # 17.0 against 28.2 us at 64
+        ([4] * 2, 4100, 16),  # 21.3 / 29.0
+        ([4] * 4, 4100, 16),  # 30.8 / 30.3: level, 32 rows in all
+        ([4] * 8, 4100, 64),  # 41.5 / 35.6
+        ([8], 4104, 16),  # 22.1 / 29.2
+        ([8] * 2, 4104, 16),  # 30.1 / 30.1: level
+        ([8] * 4, 4104, 64),  # 39.8 / 31.3
+        ([16], 4112, 16),  # 24.8 / 28.5
+        ([16] * 2, 4112, 64),  # 32.8 / 29.8
+        ([4], 244, 64),  # 16.0 / 13.6
+        ([8] * 2, 248, 64),  # 22.2 / 14.3
+        ([16] * 16, 256, 64),  # 37.6 / 22.0
+        ([8] * 64, 4104, 16),  # 18.7 / 20.2 (run 157): no split
+    ],
+)
+def test_the_split_rule_follows_the_h100_probe(seq_lens, kv_len, tile):
+    """Requests of 4-16 new tokens (group 2, 8 KV heads) on a short and a long context: the policy's tile is the
+    one the probe (``benchmarks/tile_probe.py``) timed fastest, or level."""
+    got = tiles.tile_for_batch(np.array(seq_lens), 2, 8, "cpu", longest_kv_len=lambda: kv_len)
+    assert got[0] == tile, got
 
 
 def test_tile_for_batch_off_hopper_is_16_or_64(monkeypatch):
@@ -196,11 +233,12 @@ def test_tile_for_batch_off_hopper_is_16_or_64(monkeypatch):
         16,
         "policy sm_80: at most 32 packed rows x 16 keys per request (short)",
     )
-    for seq in ([16], [1024] * 64):
+    for seq in ([16] * 2, [1024] * 64):
         assert tiles.tile_for_batch(np.array(seq), 2, 8, ampere, longest_kv_len=lambda: 4096) == (
             64,
             "policy sm_80: mma.sync kernel",
         )
+    assert tiles.tile_for_batch(np.array([16]), 2, 8, ampere, longest_kv_len=lambda: 4096)[0] == 16  # few, long
 
 
 @pytest.mark.parametrize(

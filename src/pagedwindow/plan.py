@@ -739,6 +739,7 @@ def _compiled_pass(
             heads.num_kv_heads,
             _policy_device(device),
             longest_kv_len=lambda: scalars[6],
+            total_rows=lambda: scalars[2] * group,
         )
         if tile != _SMALLEST_TILE:
             if not pack(tile, order_tiles=True):

@@ -5,14 +5,17 @@ A tile is ``cta_tile_q`` packed GQA rows per CTA (packed row ``r`` is token ``r 
 the policy picks the one measured fastest for the shape on the device the plan is for
 (``benchmarks/NOTES.md``, "Tile policy" and "Tile policy by waves"):
 
-- Every GPU: 16 when no request has more than 16 packed rows (decode), or no more than ``SHORT_ROWS`` packed
-  rows while (packed rows x keys) of the largest request stays within ``SHORT_WORK`` (a few new tokens on a short
-  context). Tile 16 runs the split-KV decode kernel (``kernels/decode_hd256.cu``), which reads each request's
-  K/V once per KV head and 16-row tile and spreads a small batch's keys over every SM; a prefill tile would run
-  mostly empty. Past that work the decode kernel's extra K/V reads (one pass per 16 rows) cost more. Except:
-  tiles of more than ``SPLIT_ROWS`` rows that the decode kernel would split (few tiles, enough keys) go to the
-  prefill tiles when their grid has at least ``MIN_PREFILL_GRID`` CTAs: each split writes, and the merge
-  re-reads, every row's fp32 partial.
+- Every GPU: 16 when no request has more than ``DECODE_ROWS`` packed rows (one new token at group 2), or no
+  more than 16 (a few new tokens), or no more than ``SHORT_ROWS`` while (packed rows x keys) of the largest
+  request stays within ``SHORT_WORK`` (a few new tokens on a short context). Tile 16 runs the split-KV decode
+  kernel (``kernels/decode_hd256.cu``), which reads each request's K/V once per KV head and 16-row tile and
+  spreads a small batch's keys over every SM; a prefill tile would run mostly empty. Past that work the decode
+  kernel's extra K/V reads (one pass per 16 rows) cost more. Except: tiles of more than ``DECODE_ROWS`` rows
+  that the decode kernel would split (few tiles, enough keys) go to the prefill tiles when their grid has at
+  least ``MIN_PREFILL_GRID`` CTAs (each split writes, and the merge re-reads, every row's fp32 partial), unless
+  the batch is small on long keys: at most ``SPLIT_FEW_ROWS`` packed rows in all and at least
+  ``SPLIT_LONG_KEYS`` keys, where each prefill CTA would walk the keys alone and the split tiles stay at 16
+  (up to 32 rows a request).
 - Hopper (compute capability 9.0, the wgmma kernel): 64 or 128, whichever has the smaller estimated time
   ``waves(tile) x tile x row_cost(tile)``, where ``waves`` is the grid (tiles x KV heads) over the SMs rounded
   up and ``row_cost`` is 1 at 128 and ``TILE64_ROW_COST`` at 64 (a full 64-row tile's per-row cost on long
@@ -50,9 +53,18 @@ with the launch's tiles x KV heads ("items") what decides its split count,
 ``min(SPLIT_KV_MAX_SPLITS, units // items)``."""
 SPLIT_KV_MAX_SPLITS = 64
 """Splits of one tile's keys at most (``kMaxSplits`` in ``kernels/decode_hd256.cu``)."""
-SPLIT_ROWS = 8
-"""Rows of a tile-16 tile above which splitting its keys loses to tile 64 (on the H200, 16-row tiles that split:
-1.25-1.86x slower than 64; 2-row tiles that split: 1.1-1.7x faster)."""
+DECODE_ROWS = 2
+"""Packed rows per request up to which tile 16 wins whatever the split (one new token at group 2: split 2-row
+tiles 1.1-1.7x faster than 64 on the H200; the decode sweep). Tiles of more rows that split lose to the
+prefill tiles except on a small batch with long keys (on an H100, 8-, 16- and 32-row tiles: ``SPLIT_FEW_ROWS``)."""
+SPLIT_FEW_ROWS = 32
+"""Packed rows of the whole batch up to which split tiles of more than ``DECODE_ROWS`` rows stay at 16 on
+``SPLIT_LONG_KEYS`` keys or more (on an H100 at 4 096 keys, window 1023: one request of 8 or 16 rows 1.66x /
+1.33x faster at 16, two of 8 rows 1.36x; 32 rows in all level or 1.15x faster; 64 in all 1.1-1.3x slower)."""
+SPLIT_LONG_KEYS = 1024
+"""Keys (the longest kv_len) from which a small batch's split tiles stay at 16 (at 244 keys tile 64 is 1.2-1.7x
+faster for 8-32 rows at every batch on an H100; at 1 024 visible keys 16 wins). The plan does not know the
+window, so a request whose window shows it fewer keys is judged by its kv_len."""
 SPLIT_STEP_KEYS = 16
 """Keys of one decode-kernel step (``kSteps`` in ``kernels/decode_hd256.cu``)."""
 SPLIT_MIN_STEPS = 2
@@ -124,6 +136,7 @@ def tile_for_batch(
         num_kv_heads,
         device,
         longest_kv_len=longest_kv_len,
+        total_rows=lambda: sum(listed) if listed is not None else int(seq_lens.sum()) * group,
     )
 
 
@@ -135,23 +148,31 @@ def tile_for_counts(
     device=None,
     *,
     longest_kv_len: Callable[[], int],
+    total_rows: Callable[[], int],
 ) -> tuple[int, str]:
     """The policy's rule on what it reads of a batch, each count asked only when the rule needs it: ``max_rows``
     (packed rows of the request with the most), ``tiles_at(tile)`` (the batch's tiles at ``tile``, one of
-    ``SUPPORTED_CTA_TILE_Q``), ``busy_requests()`` (requests with new rows), ``longest_kv_len()``. The plan's
-    compiled pass hands the counts it computed; :func:`tile_for_batch` computes them from arrays."""
+    ``SUPPORTED_CTA_TILE_Q``), ``busy_requests()`` (requests with new rows), ``longest_kv_len()``,
+    ``total_rows()`` (packed rows of the whole batch). The plan's compiled pass hands the counts it computed;
+    :func:`tile_for_batch` computes them from arrays."""
     capability, sm_count = device_traits(device)
     arch = f"sm_{capability[0]}{capability[1]}"
-    if max_rows <= SPLIT_ROWS:
+    if max_rows <= DECODE_ROWS:
         return 16, f"policy {arch}: at most {max_rows} packed rows per request (decode)"
     prefix = ""
     if max_rows <= SHORT_ROWS:
         keys = longest_kv_len()
-        if max_rows <= 16 or max_rows * keys <= SHORT_WORK:
-            why = "per request (decode)" if max_rows <= 16 else f"x {keys} keys per request (short)"
+        few_on_long = max_rows <= SPLIT_FEW_ROWS and keys >= SPLIT_LONG_KEYS and total_rows() <= SPLIT_FEW_ROWS
+        if max_rows <= 16 or max_rows * keys <= SHORT_WORK or few_on_long:
+            if few_on_long:
+                why = f"per request, {total_rows()} in all on {keys} keys (few on long keys)"
+            elif max_rows <= 16:
+                why = "per request (decode)"
+            else:
+                why = f"x {keys} keys per request (short)"
             grid = tiles_at(SPLIT_KV_TILE) * num_kv_heads  # CTAs at tile 16
             splits = min(SPLIT_KV_MAX_SPLITS, SPLIT_KV_UNITS_PER_SM * sm_count // grid)
-            if splits < 2 or keys < SPLIT_MIN_KEYS or busy_requests() * num_kv_heads < MIN_PREFILL_GRID:
+            if few_on_long or splits < 2 or keys < SPLIT_MIN_KEYS or busy_requests() * num_kv_heads < MIN_PREFILL_GRID:
                 return 16, f"policy {arch}: at most {max_rows} packed rows {why}"
             prefix = f"{min(max_rows, 16)}-row tiles at 16 would split {splits} ways; "
     if capability != (9, 0):

@@ -69,10 +69,18 @@ constexpr int kThreads = 32;
 constexpr int kMaxSplits = PW_DECODE_MAX_SPLITS;  // splits of one tile's keys at most
 // A split covers at least this many steps (2: 32 keys; else the merge costs more than it saves).
 constexpr int kMinStepsPerSplit = PW_DECODE_MIN_STEPS_PER_SPLIT;
+// The same minimum for tiles of more than kMultiRowTile rows, whose every split writes, and whose merge re-reads,
+// that many fp32 rows. `-DPW_DECODE_MULTI_ROW_MIN_STEPS` is a build for timing only: the tile policy's
+// `SPLIT_MIN_KEYS` and the host's split bound assume the default (the same as kMinStepsPerSplit).
+#ifndef PW_DECODE_MULTI_ROW_MIN_STEPS
+#define PW_DECODE_MULTI_ROW_MIN_STEPS PW_DECODE_MIN_STEPS_PER_SPLIT
+#endif
+constexpr int kMultiRowTile = 2;
+constexpr int kMultiRowMinSteps = PW_DECODE_MULTI_ROW_MIN_STEPS;
 constexpr int kPartialFloats = kRows * kHeadDim;  // one unit's partial rows in the workspace
 constexpr int kWeightSlots = 2 * 32;              // a row's merge weights in shared memory: two splits per lane
 static_assert(kMaxSplits >= 1 && kMaxSplits <= kWeightSlots, "splits of a tile: 1 .. two per lane");
-static_assert(kMinStepsPerSplit >= 1, "a split covers at least one step");
+static_assert(kMinStepsPerSplit >= 1 && kMultiRowMinSteps >= kMinStepsPerSplit, "a split covers at least one step");
 // A tile of at most this many splits is merged inside the decode grid by its last split (two merge batches at
 // most, which overlap the other units' tail); a tile of more, by pw_decode_merge_kernel after the grid when the
 // launch runs it (`merge_after`), since one warp reading many splits' partials is the grid's longest chain. The
@@ -151,6 +159,13 @@ __device__ __forceinline__ void issue_step(const Params& p, long long off, uint3
 __device__ __forceinline__ int launch_splits(const Params& p, int items) {
   if (p.workspace_units <= 0 || items <= 0) return 1;
   return max(1, min(kMaxSplits, p.workspace_units / items));
+}
+
+// A tile's splits: the launch's, at most one per kMinStepsPerSplit steps (kMultiRowMinSteps for a tile of more
+// than kMultiRowTile rows), at least 1. The decode grid and the merge kernel must agree on it.
+__device__ __forceinline__ int tile_split_count(int splits, const Tile& t) {
+  const int min_steps = t.rows > kMultiRowTile ? kMultiRowMinSteps : kMinStepsPerSplit;
+  return max(1, min(splits, t.steps / min_steps));
 }
 
 // One row's split weights from its splits' log2-domain LSEs, lane s holding splits s and s + 32 (-inf past the
@@ -290,8 +305,8 @@ __global__ void __launch_bounds__(kThreads) pw_decode_hd256_kernel(const Params 
     const int kv_head = item - tile * p.num_kv_heads;
     const Tile t = tile_geometry(p, tile);
     if (t.rows <= 0) continue;  // uniform: a tile past its request's rows (never laid out by a plan)
-    // This tile's splits: at most one per kMinStepsPerSplit steps; units of splits past that do nothing.
-    const int tile_splits = max(1, min(splits, t.steps / kMinStepsPerSplit));
+    // This tile's splits (tile_split_count); units of splits past that do nothing.
+    const int tile_splits = tile_split_count(splits, t);
     if (split >= tile_splits) continue;
     const int per = (t.steps + tile_splits - 1) / tile_splits;
     const int j0 = min(t.steps, split * per);
@@ -479,7 +494,7 @@ __global__ void __launch_bounds__(kMergeThreads, 1) pw_decode_merge_kernel(const
   const int items = num_tiles * p.num_kv_heads;
   const int splits = launch_splits(p, items);
   const Tile t = tile_geometry(p, tile);
-  const int tile_splits = max(1, min(splits, t.steps / kMinStepsPerSplit));
+  const int tile_splits = tile_split_count(splits, t);
   if (t.rows <= 0 || tile_splits <= kGridMergeMaxSplits) return;  // written or merged by the decode grid
   const int first = (tile * p.num_kv_heads + kv_head) * splits;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

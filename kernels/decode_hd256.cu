@@ -69,18 +69,10 @@ constexpr int kThreads = 32;
 constexpr int kMaxSplits = PW_DECODE_MAX_SPLITS;  // splits of one tile's keys at most
 // A split covers at least this many steps (2: 32 keys; else the merge costs more than it saves).
 constexpr int kMinStepsPerSplit = PW_DECODE_MIN_STEPS_PER_SPLIT;
-// The same minimum for tiles of more than kMultiRowTile rows, whose every split writes, and whose merge re-reads,
-// that many fp32 rows. `-DPW_DECODE_MULTI_ROW_MIN_STEPS` is a build for timing only: the tile policy's
-// `SPLIT_MIN_KEYS` and the host's split bound assume the default (the same as kMinStepsPerSplit).
-#ifndef PW_DECODE_MULTI_ROW_MIN_STEPS
-#define PW_DECODE_MULTI_ROW_MIN_STEPS PW_DECODE_MIN_STEPS_PER_SPLIT
-#endif
-constexpr int kMultiRowTile = 2;
-constexpr int kMultiRowMinSteps = PW_DECODE_MULTI_ROW_MIN_STEPS;
 constexpr int kPartialFloats = kRows * kHeadDim;  // one unit's partial rows in the workspace
 constexpr int kWeightSlots = 2 * 32;              // a row's merge weights in shared memory: two splits per lane
 static_assert(kMaxSplits >= 1 && kMaxSplits <= kWeightSlots, "splits of a tile: 1 .. two per lane");
-static_assert(kMinStepsPerSplit >= 1 && kMultiRowMinSteps >= kMinStepsPerSplit, "a split covers at least one step");
+static_assert(kMinStepsPerSplit >= 1, "a split covers at least one step");
 // A tile of at most this many splits is merged inside the decode grid by its last split (two merge batches at
 // most, which overlap the other units' tail); a tile of more, by pw_decode_merge_kernel after the grid when the
 // launch runs it (`merge_after`), since one warp reading many splits' partials is the grid's longest chain. The
@@ -161,11 +153,11 @@ __device__ __forceinline__ int launch_splits(const Params& p, int items) {
   return max(1, min(kMaxSplits, p.workspace_units / items));
 }
 
-// A tile's splits: the launch's, at most one per kMinStepsPerSplit steps (kMultiRowMinSteps for a tile of more
-// than kMultiRowTile rows), at least 1. The decode grid and the merge kernel must agree on it.
+// A tile's splits: the launch's, at most one per kMinStepsPerSplit steps, at least 1. The decode grid and the
+// merge kernel must agree on it. (Fewer splits for tiles of many rows, which write and merge more partial rows,
+// were slower: a one-warp unit's steps are bound by the bytes one warp moves, run 159.)
 __device__ __forceinline__ int tile_split_count(int splits, const Tile& t) {
-  const int min_steps = t.rows > kMultiRowTile ? kMultiRowMinSteps : kMinStepsPerSplit;
-  return max(1, min(splits, t.steps / min_steps));
+  return max(1, min(splits, t.steps / kMinStepsPerSplit));
 }
 
 // One row's split weights from its splits' log2-domain LSEs, lane s holding splits s and s + 32 (-inf past the

@@ -87,8 +87,7 @@ def test_the_policy_reads_the_decode_kernels_split_rule():
     source = DECODE_SOURCE.read_text()
     assert "constexpr int kMaxSplits = PW_DECODE_MAX_SPLITS;" in source
     assert "constexpr int kMinStepsPerSplit = PW_DECODE_MIN_STEPS_PER_SPLIT;" in source
-    # multi-row tiles split by the same minimum unless a timing build says otherwise
-    assert "#define PW_DECODE_MULTI_ROW_MIN_STEPS PW_DECODE_MIN_STEPS_PER_SPLIT\n" in source
+    assert "return max(1, min(splits, t.steps / kMinStepsPerSplit));" in source  # tile_split_count
     assert decode_macro_default("PW_DECODE_MAX_SPLITS") == tiles.SPLIT_KV_MAX_SPLITS
     assert decode_constant("kRows") == tiles.SPLIT_KV_TILE
     assert 2 * decode_macro_default("PW_DECODE_MIN_STEPS_PER_SPLIT") * decode_constant("kSteps") == tiles.SPLIT_MIN_KEYS

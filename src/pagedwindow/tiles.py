@@ -162,10 +162,11 @@ def tile_for_counts(
     prefix = ""
     if max_rows <= SHORT_ROWS:
         keys = longest_kv_len()
-        few_on_long = max_rows <= SPLIT_FEW_ROWS and keys >= SPLIT_LONG_KEYS and total_rows() <= SPLIT_FEW_ROWS
+        rows_in_all = total_rows() if keys >= SPLIT_LONG_KEYS else None
+        few_on_long = rows_in_all is not None and rows_in_all <= SPLIT_FEW_ROWS  # max_rows <= rows_in_all
         if max_rows <= 16 or max_rows * keys <= SHORT_WORK or few_on_long:
             if few_on_long:
-                why = f"per request, {total_rows()} in all on {keys} keys (few on long keys)"
+                why = f"per request, {rows_in_all} in all on {keys} keys (few on long keys)"
             elif max_rows <= 16:
                 why = "per request (decode)"
             else:

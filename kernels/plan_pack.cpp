@@ -85,6 +85,22 @@ struct BlockOffsets {
         pages(qo_tile + num_tiles) {}
 };
 
+// The tile list of a packed block at `tile`, request by request: request i's ceil(seq_i * group / tile) tiles, its
+// query tiles 0, 1, ... in order (seq_i from the block's qo_indptr segment). Returns the tile count.
+static int64_t write_tiles(int32_t* packed, const BlockOffsets& o, int64_t group, int64_t tile) {
+  const int64_t batch = packed[0];
+  const int32_t* qo = packed + o.qo;
+  int64_t t = 0;
+  for (int64_t i = 0; i < batch; ++i) {
+    const int64_t n = (int64_t{qo[i + 1] - qo[i]} * group + tile - 1) / tile;
+    for (int64_t k = 0; k < n; ++k, ++t) {
+      packed[o.request + t] = static_cast<int32_t>(i);
+      packed[o.qo_tile + t] = static_cast<int32_t>(k);
+    }
+  }
+  return t;
+}
+
 // The tile list of a packed block, built request by request, reordered longest first (plan.py's _tiles): by the
 // end of the tile's keys, one past its last query position (start + ceil(rows_end / group)), largest first, ties
 // in list order. No sort when the list is already in that order (one request per tile of equal kv_len, say).
@@ -122,8 +138,8 @@ extern "C" {
 // within int32 once validated); start_positions [batch] receives kv_len - seq_len per request.
 // A null kv_indices means the page ids were checked and copied on the device (kernels/plan_check.cu): only
 // num_indices is used, the block's page segment is left unwritten and max_page_index is -1. order_tiles 0 leaves
-// the tile list request by request (a pass whose tile the policy may still change; pw_plan_order_tiles orders it
-// later if the policy keeps it), else it is ordered longest first.
+// the tile list request by request (a pass whose tile the policy may still change; pw_plan_retile lays it out at
+// the tile the policy picks), else it is ordered longest first.
 int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int kv_is64, const void* kv_indices,
                  int indices_is64, int64_t num_indices, const void* last_page_len, int last_is64, int64_t batch,
                  int64_t page_size, int64_t group, int64_t tile, int32_t* packed, int64_t packed_capacity,
@@ -181,7 +197,6 @@ int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int 
   packed[0] = static_cast<int32_t>(batch);
   packed[1] = static_cast<int32_t>(total_tokens);
   packed[2] = static_cast<int32_t>(num_tiles);
-  int64_t t = 0;
   for (int64_t i = 0; i <= batch; ++i) {
     packed[o.page_indptr + i] = static_cast<int32_t>(kv[i]);
     packed[o.qo + i] = static_cast<int32_t>(qo[i]);
@@ -189,12 +204,8 @@ int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int 
     const int64_t l = last[i], seq = qo[i + 1] - qo[i];
     packed[o.last + i] = static_cast<int32_t>(l);
     start_positions[i] = static_cast<int32_t>((kv[i + 1] - kv[i] - 1) * page_size + l - seq);
-    const int64_t n = (seq * group + tile - 1) / tile;
-    for (int64_t k = 0; k < n; ++k, ++t) {
-      packed[o.request + t] = static_cast<int32_t>(i);
-      packed[o.qo_tile + t] = static_cast<int32_t>(k);
-    }
   }
+  write_tiles(packed, o, group, tile);
   if (order_tiles) order_longest_first(packed, start_positions, group, tile);
   scalars[0] = static_cast<int32_t>(high);
   scalars[1] = static_cast<int32_t>(max_last);
@@ -209,10 +220,34 @@ int pw_plan_pack(const void* qo_indptr, int qo_is64, const void* kv_indptr, int 
   return PW_PACK_OK;
 }
 
-// The tile list of a block pw_plan_pack packed with order_tiles 0 at `tile`, ordered longest first in place;
-// start_positions as that call wrote them.
-void pw_plan_order_tiles(int32_t* packed, const int32_t* start_positions, int64_t group, int64_t tile) {
+// The tile list of a block pw_plan_pack packed with order_tiles 0, laid out again at `tile` (the tile the policy
+// picked: the same one, or another) and ordered longest first, in place: the page ids move with the end of the
+// tile segments, and packed[2] and scalars[4] take the new tile count. Nothing else is read again, so a plan the
+// policy moves off the pass's tile costs a walk over the requests, not a second pass over the page ids.
+// start_positions as pw_plan_pack wrote them; packed_capacity as it was given.
+int pw_plan_retile(int32_t* packed, int64_t packed_capacity, const int32_t* start_positions, int64_t group,
+                   int64_t tile, int32_t* scalars) {
+  if (group < 1 || tile < 1) return PW_PACK_INVALID;
+  const int64_t batch = packed[0], packed_tiles = packed[2];
+  const BlockOffsets before(batch, packed_tiles);
+  const int32_t* qo = packed + before.qo;
+  int64_t num_tiles = 0;
+  for (int64_t i = 0; i < batch; ++i) num_tiles += (int64_t{qo[i + 1] - qo[i]} * group + tile - 1) / tile;
+  if (num_tiles > kInt32Max) return PW_PACK_INVALID;
+  const BlockOffsets after(batch, num_tiles);
+  const int64_t total_pages = packed[before.page_indptr + batch];
+  if (after.pages + total_pages > packed_capacity) return PW_PACK_TOO_SMALL;
+  // The same count means the same list: every request has as many tiles at either tile (fewer at the larger one
+  // each, and the sums equal), so only the order is left to set.
+  if (num_tiles != packed_tiles) {
+    // The page ids first: the new tile segments may end where they start.
+    std::memmove(packed + after.pages, packed + before.pages, total_pages * sizeof(int32_t));
+    packed[2] = static_cast<int32_t>(num_tiles);
+    write_tiles(packed, after, group, tile);
+  }
   order_longest_first(packed, start_positions, group, tile);
+  scalars[4] = static_cast<int32_t>(num_tiles);
+  return PW_PACK_OK;
 }
 
 #ifndef PW_HOST_ONLY

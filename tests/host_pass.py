@@ -80,5 +80,5 @@ class Counting:
         self.statuses.append(self.lib.pw_plan_pack(*args))
         return self.statuses[-1]
 
-    def pw_plan_order_tiles(self, *args):
-        return self.lib.pw_plan_order_tiles(*args)
+    def pw_plan_retile(self, *args):
+        return self.lib.pw_plan_retile(*args)

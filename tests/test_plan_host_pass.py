@@ -217,21 +217,47 @@ def test_a_block_too_small_is_refused_not_overrun(lib):
     assert status == native.PACK_TOO_SMALL and (block == -7).all()
 
 
-def test_a_pass_left_unordered_is_ordered_later_exactly_as_an_ordered_pass(lib):
-    """``order_tiles`` 0 leaves the tile list request by request; ``pw_plan_order_tiles`` then writes the block an
-    ordered pass writes (the compiled pass at a tile the policy may still change)."""
-    qo, kv, ids, last = (np.array(a, dtype=np.int64) for a in ([0, 20, 22, 25], [0, 5, 6, 10], range(10), [4, 2, 1]))
-    blocks = []
-    for order in (0, 1):
-        block, start, scalars = np.full(64, -7, np.int32), np.zeros(3, np.int32), np.zeros(11, np.int32)
-        args = (qo.ctypes.data, 1, kv.ctypes.data, 1, ids.ctypes.data, 1, 10, last.ctypes.data, 1, 3, 4, 2, 16)
-        assert lib.pw_plan_pack(*args, block.ctypes.data, 64, start.ctypes.data, scalars.ctypes.data, order) == 0
-        blocks.append((block, start))
-    (unordered, start), (ordered, _) = blocks
-    requests = slice(3 + 3 * 3 + 2, 3 + 3 * 3 + 2 + 5)  # 5 tiles of 16 packed rows: 3, 1 and 1 per request
-    assert unordered[requests].tolist() == [0, 0, 0, 1, 2] and ordered[requests].tolist() == [0, 0, 2, 0, 1]
-    lib.pw_plan_order_tiles(unordered.ctypes.data, start.ctypes.data, 2, 16)
-    assert unordered.tolist() == ordered.tolist()
+def _pack(lib, tile: int, order: int, capacity: int = 64):
+    """Three requests of 10, 1 and 3 new tokens (group 2) on 5, 1 and 4 pages of 4, ids 0..9, packed at ``tile``:
+    (status, block, start_positions, scalars)."""
+    qo, kv, ids, last = (np.array(a, dtype=np.int64) for a in ([0, 10, 11, 14], [0, 5, 6, 10], range(10), [4, 2, 1]))
+    block, start, scalars = np.full(capacity, -7, np.int32), np.zeros(3, np.int32), np.zeros(11, np.int32)
+    args = (qo.ctypes.data, 1, kv.ctypes.data, 1, ids.ctypes.data, 1, 10, last.ctypes.data, 1, 3, 4, 2, tile)
+    status = lib.pw_plan_pack(*args, block.ctypes.data, capacity, start.ctypes.data, scalars.ctypes.data, order)
+    return status, block, start, scalars
+
+
+@pytest.mark.parametrize(("packed_at", "tile"), [(16, 16), (16, 64), (16, 128), (64, 128)])
+def test_a_pass_left_unordered_and_retiled_is_the_pass_at_that_tile(lib, packed_at, tile):
+    """``order_tiles`` 0 leaves the tile list request by request; ``pw_plan_retile`` then lays it out at the
+    policy's tile, moves the page ids after it and orders it: the block, the start positions and the scalars an
+    ordered pass at that tile writes (the compiled pass when the policy picks its tile). 64 -> 128 keeps the count
+    (3 tiles) and so the list, and orders it by the new tile's rows."""
+    status, unordered, start, scalars = _pack(lib, packed_at, 0)
+    assert status == 0
+    if packed_at == 16:  # 20, 2 and 6 packed rows: 2 + 1 + 1 tiles at 16, request by request
+        requests = slice(3 + 3 * 3 + 2, 3 + 3 * 3 + 2 + 4)
+        assert scalars[4] == 4 and unordered[requests].tolist() == [0, 0, 1, 2]
+    status, ordered, ordered_start, ordered_scalars = _pack(lib, tile, 1)
+    assert status == 0
+    assert lib.pw_plan_retile(unordered.ctypes.data, 64, start.ctypes.data, 2, tile, scalars.ctypes.data) == 0
+    live = 3 + 3 * 3 + 2 + 2 * int(scalars[4]) + 10  # header, indptrs, last page lengths, tiles, page ids
+    assert (
+        unordered[:live].tolist() == ordered[:live].tolist()
+    )  # the tiles and the ids where a pass at `tile` puts them
+    assert start.tolist() == ordered_start.tolist() and scalars.tolist() == ordered_scalars.tolist()
+
+
+def test_retile_refuses_a_block_too_small_for_its_tiles(lib):
+    """A retile to more tiles than the block has room for writes nothing (the plan only retiles to fewer tiles, in
+    the block sized for the smallest tile, but the entry point checks)."""
+    status, block, start, scalars = _pack(lib, 64, 1, capacity=3 + 3 * 3 + 2 + 2 * 3 + 10)  # exact at 64
+    assert status == 0
+    before = block.copy()
+    assert lib.pw_plan_retile(block.ctypes.data, len(block), start.ctypes.data, 2, 16, scalars.ctypes.data) == (
+        native.PACK_TOO_SMALL
+    )
+    assert block.tolist() == before.tolist() and scalars[4] == 3
 
 
 def test_the_compiled_pass_runs_where_a_kernels_library_is_loaded(monkeypatch):

@@ -671,8 +671,8 @@ def _compiled_pass(
     refuses anyway) or any status but OK (the numpy pass then names the error, or rules on shared pages).
     ``checked``: the page ids' pass already ran on the device (a ``host_pass.DeviceChecked``, which then holds the
     small arrays: ``arrays`` is None): only the rest is checked here, and the state keeps the ids on the device.
-    ``tile`` None: the pass packs at the smallest tile and returns the counts the policy reads; where the policy
-    picks another tile, a second pass packs at it."""
+    ``tile`` None: the pass packs at the smallest tile and returns the counts the policy reads; ``pw_plan_retile``
+    then lays the tile list out at the tile the policy picks (the page ids are not read again)."""
     if checked is not None:
         arrays = (checked.qo_indptr, checked.kv_indptr, None, checked.last_page_len)
     qo_indptr, kv_indptr, kv_indices, last_page_len = arrays
@@ -701,33 +701,31 @@ def _compiled_pass(
         base = _writable_address(checked.arrays)
         addresses = [base, base + 8 * (batch + 1), None, base + 16 * (batch + 1)]
 
-    def pack(tile: int, order_tiles: bool) -> bool:
-        status = lib.pw_plan_pack(
-            addresses[0],
-            flags[0],
-            addresses[1],
-            flags[1],
-            addresses[2],
-            indices_flag,
-            num_indices,
-            addresses[3],
-            flags[-1],
-            batch,
-            heads.page_size,
-            group,
-            tile,
-            address + 4 * (_PACK_SCALARS + batch),
-            bound,
-            address + 4 * _PACK_SCALARS,
-            address,
-            int(order_tiles),
-        )
-        return status == 0
-
+    block, start_positions = address + 4 * (_PACK_SCALARS + batch), address + 4 * _PACK_SCALARS  # in `out`
     reason = "explicit"
-    # A pass whose tile the policy may still change leaves the tile list unordered: the order is set once, at the
-    # tile the plan keeps.
-    if not pack(tile or _SMALLEST_TILE, order_tiles=tile is not None):
+    # A pass whose tile the policy may still change leaves the tile list unordered: it is laid out and ordered once,
+    # at the tile the plan keeps.
+    status = lib.pw_plan_pack(
+        addresses[0],
+        flags[0],
+        addresses[1],
+        flags[1],
+        addresses[2],
+        indices_flag,
+        num_indices,
+        addresses[3],
+        flags[-1],
+        batch,
+        heads.page_size,
+        group,
+        tile or _SMALLEST_TILE,
+        block,
+        bound,
+        start_positions,
+        address,
+        int(tile is not None),
+    )
+    if status != 0:
         return None
     scalars = out[:_PACK_SCALARS].tolist()
     if tile is None:
@@ -741,12 +739,9 @@ def _compiled_pass(
             longest_kv_len=lambda: scalars[6],
             total_rows=lambda: scalars[2] * group,
         )
-        if tile != _SMALLEST_TILE:
-            if not pack(tile, order_tiles=True):
-                return None
-            scalars = out[:_PACK_SCALARS].tolist()
-        else:
-            lib.pw_plan_order_tiles(address + 4 * (_PACK_SCALARS + batch), address + 4 * _PACK_SCALARS, group, tile)
+        if lib.pw_plan_retile(block, bound, start_positions, group, tile, address) != 0:
+            return None
+        scalars = out[:_PACK_SCALARS].tolist()  # the tile count at the policy's tile
     high, max_last, total_tokens, total_pages, num_tiles = scalars[:5]
     if checked is not None:
         high = checked.max_page_index

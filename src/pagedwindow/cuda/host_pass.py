@@ -37,8 +37,8 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     ``plan_pack.cpp``, which lacks ``pw_plan_upload``)."""
     lib.pw_plan_pack.argtypes = [_p, _i, _p, _i, _p, _i, _ll, _p, _i, _ll, _ll, _ll, _ll, _p, _ll, _p, _p, _i]
     lib.pw_plan_pack.restype = _i
-    lib.pw_plan_order_tiles.argtypes = [_p, _p, _ll, _ll]
-    lib.pw_plan_order_tiles.restype = None
+    lib.pw_plan_retile.argtypes = [_p, _ll, _p, _ll, _ll, _p]
+    lib.pw_plan_retile.restype = _i
     if hasattr(lib, "pw_plan_upload"):
         lib.pw_plan_upload.argtypes = [_p, _p, _p, _p, _p, _ll, _p, _p, _p]
         lib.pw_plan_upload.restype = _i

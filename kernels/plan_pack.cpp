@@ -86,8 +86,8 @@ struct BlockOffsets {
 };
 
 // The tile list of a packed block at `tile`, request by request: request i's ceil(seq_i * group / tile) tiles, its
-// query tiles 0, 1, ... in order (seq_i from the block's qo_indptr segment). Returns the tile count.
-static int64_t write_tiles(int32_t* packed, const BlockOffsets& o, int64_t group, int64_t tile) {
+// query tiles 0, 1, ... in order (seq_i from the block's qo_indptr segment).
+static void write_tiles(int32_t* packed, const BlockOffsets& o, int64_t group, int64_t tile) {
   const int64_t batch = packed[0];
   const int32_t* qo = packed + o.qo;
   int64_t t = 0;
@@ -98,7 +98,6 @@ static int64_t write_tiles(int32_t* packed, const BlockOffsets& o, int64_t group
       packed[o.qo_tile + t] = static_cast<int32_t>(k);
     }
   }
-  return t;
 }
 
 // The tile list of a packed block, built request by request, reordered longest first (plan.py's _tiles): by the

@@ -11,10 +11,7 @@ medians) last."""
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
-import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 
@@ -30,15 +27,12 @@ def install_compiled_pass() -> None:
     """Build ``kernels/plan_pack.cpp`` without its CUDA upload and route every plan of this process through it."""
     from pagedwindow import plan as plan_module
     from pagedwindow.cuda import host_pass
+    from pagedwindow.errors import PagedWindowError
 
-    compiler = shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        raise SystemExit("--compiled needs a C++ compiler (c++ / g++) on PATH")
-    out = Path(tempfile.mkdtemp()) / "libpw_plan_pack.so"
-    source = Path(__file__).resolve().parents[1] / "kernels" / "plan_pack.cpp"
-    flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-DPW_HOST_ONLY"]
-    subprocess.run([compiler, *flags, str(source), "-o", str(out)], check=True)
-    lib = host_pass.declare(ctypes.CDLL(str(out)))
+    try:
+        lib = host_pass.build_host_only(Path(tempfile.mkdtemp()))
+    except PagedWindowError as e:
+        raise SystemExit(f"--compiled: {e}") from None
     plan_module._host_pass_library = lambda device: lib
 
 

@@ -3,44 +3,24 @@ tests that cover the numpy pass run again with the compiled pass installed, so b
 produce the same plans and refuse bad input with the same error."""
 
 import ctypes
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 from pagedwindow import plan as plan_module
 from pagedwindow.cuda import host_pass
+from pagedwindow.errors import PagedWindowError
 
 SOURCE = Path(__file__).resolve().parents[1] / "kernels" / "plan_pack.cpp"
 PASSES = ("numpy pass", "compiled pass")
 
 
 def build(directory: Path) -> ctypes.CDLL:
-    """``plan_pack.cpp`` without its CUDA upload, as a shared library in ``directory``."""
-    compiler = shutil.which("c++") or shutil.which("g++")
-    if compiler is None:
-        pytest.fail("no C++ compiler (c++ / g++) on PATH: the compiled host pass cannot be tested")
-    out = directory / "libpw_plan_pack.so"
-    subprocess.run(
-        [
-            compiler,
-            "-O3",
-            "-std=c++17",
-            "-Wall",
-            "-Werror",
-            "-shared",
-            "-fPIC",
-            "-DPW_HOST_ONLY",
-            str(SOURCE),
-            "-o",
-            str(out),
-        ],
-        check=True,
-        capture_output=True,
-        text=True,
-    )
-    return host_pass.declare(ctypes.CDLL(str(out)))
+    """``plan_pack.cpp`` without its CUDA upload, as a shared library in ``directory`` (no compiler: a failure)."""
+    try:
+        return host_pass.build_host_only(directory)
+    except PagedWindowError as e:
+        pytest.fail(str(e))
 
 
 _built: dict[str, ctypes.CDLL] = {}

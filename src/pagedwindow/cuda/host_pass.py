@@ -14,7 +14,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import shutil
+import subprocess
 import threading
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -61,6 +64,23 @@ def declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                 f"has {ctypes.sizeof(PageCheckLaunch)} bytes (a stale or foreign library)"
             )
     return lib
+
+
+def build_host_only(directory: Path) -> ctypes.CDLL:
+    """``plan_pack.cpp`` built without its CUDA upload (``-DPW_HOST_ONLY``, warnings as errors) by the host's C++
+    compiler into ``directory``, loaded and declared: the compiled pass on a machine without nvcc (the plan tests,
+    ``benchmarks/plan_cpu_host.py --compiled``). Raises PagedWindowError without a ``c++`` / ``g++`` on PATH, and
+    subprocess.CalledProcessError (the compiler's output captured) when the build fails."""
+    from .build import kernels_dir
+
+    compiler = shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        raise PagedWindowError("no C++ compiler (c++ / g++) on PATH: the compiled host pass cannot be built")
+    out = Path(directory) / "libpw_plan_pack.so"
+    flags = ["-O3", "-std=c++17", "-Wall", "-Werror", "-shared", "-fPIC", "-DPW_HOST_ONLY"]
+    source = kernels_dir() / "plan_pack.cpp"
+    subprocess.run([compiler, *flags, str(source), "-o", str(out)], check=True, capture_output=True, text=True)
+    return declare(ctypes.CDLL(str(out)))
 
 
 class PageCheckLaunch(ctypes.Structure):

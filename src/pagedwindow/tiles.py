@@ -163,17 +163,16 @@ def tile_for_counts(
     if max_rows <= SHORT_ROWS:
         keys = longest_kv_len()
         rows_in_all = total_rows() if keys >= SPLIT_LONG_KEYS else None
-        few_on_long = rows_in_all is not None and rows_in_all <= SPLIT_FEW_ROWS  # max_rows <= rows_in_all
-        if max_rows <= 16 or max_rows * keys <= SHORT_WORK or few_on_long:
-            if few_on_long:
-                why = f"per request, {rows_in_all} in all on {keys} keys (few on long keys)"
-            elif max_rows <= 16:
-                why = "per request (decode)"
-            else:
-                why = f"x {keys} keys per request (short)"
+        if rows_in_all is not None and rows_in_all <= SPLIT_FEW_ROWS:  # a small batch on long keys: 16, split or not
+            return 16, (
+                f"policy {arch}: at most {max_rows} packed rows per request, {rows_in_all} in all on {keys} keys "
+                "(few on long keys)"
+            )
+        if max_rows <= 16 or max_rows * keys <= SHORT_WORK:
+            why = "per request (decode)" if max_rows <= 16 else f"x {keys} keys per request (short)"
             grid = tiles_at(SPLIT_KV_TILE) * num_kv_heads  # CTAs at tile 16
             splits = min(SPLIT_KV_MAX_SPLITS, SPLIT_KV_UNITS_PER_SM * sm_count // grid)
-            if few_on_long or splits < 2 or keys < SPLIT_MIN_KEYS or busy_requests() * num_kv_heads < MIN_PREFILL_GRID:
+            if splits < 2 or keys < SPLIT_MIN_KEYS or busy_requests() * num_kv_heads < MIN_PREFILL_GRID:
                 return 16, f"policy {arch}: at most {max_rows} packed rows {why}"
             prefix = f"{min(max_rows, 16)}-row tiles at 16 would split {splits} ways; "
     if capability != (9, 0):

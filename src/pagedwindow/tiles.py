@@ -3,7 +3,7 @@
 A tile is ``cta_tile_q`` packed GQA rows per CTA (packed row ``r`` is token ``r // group``, head-in-group
 ``r % group``); request ``i`` gets ``ceil(seq_i * group / cta_tile_q)`` tiles. Any supported tile is correct;
 the policy picks the one measured fastest for the shape on the device the plan is for
-(``benchmarks/NOTES.md``, "Tile policy" and "Tile policy by waves"):
+(``benchmarks/NOTES.md``, "Tile policy by waves"; the split rule: runs 157-158):
 
 - Every GPU: 16 when no request has more than ``DECODE_ROWS`` packed rows (one new token at group 2), or no
   more than 16 (a few new tokens), or no more than ``SHORT_ROWS`` while (packed rows x keys) of the largest
@@ -19,8 +19,8 @@ the policy picks the one measured fastest for the shape on the device the plan i
 - Hopper (compute capability 9.0, the wgmma kernel): 64 or 128, whichever has the smaller estimated time
   ``waves(tile) x tile x row_cost(tile)``, where ``waves`` is the grid (tiles x KV heads) over the SMs rounded
   up and ``row_cost`` is 1 at 128 and ``TILE64_ROW_COST`` at 64 (a full 64-row tile's per-row cost on long
-  prefills). Ties go to 128. So a grid that fits one wave at 64 but not at 128 goes to 64 (a 512-token chunk),
-  and one that needs a second wave at 64 but only one at 128 goes to 128 (a 1024-token prompt).
+  prefills). Ties go to 128. So a grid of one wave at 64 (and so at 128) goes to 64 (a 512-token chunk), and one
+  that needs a second wave at 64 but only one at 128 goes to 128 (a 1024-token prompt).
 - Other GPUs (the mma.sync kernel): else 64 (128 gains nothing there: the kernel is bound by its shared-memory
   reads).
 - No GPU: the Hopper rule, so a plan built on a CPU host lays out the way it would on the target.

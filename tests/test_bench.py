@@ -144,9 +144,10 @@ def test_sweep_table_lists_every_slower_point_and_the_heat_maps_draw(tmp_path):
     import matplotlib
 
     matplotlib.use("Agg")
-    from pagedwindow.viz.bench_plots import plot_sweep
+    from pagedwindow.viz.bench_plots import AXIS_LABELS, plot_sweep
 
     slices = bench_sweep.sweep_slices()
+    assert {a for s in slices for a in (s.x, s.y)} <= set(AXIS_LABELS)  # every axis drawn with its label
     times = {}
     for s in slices:
         for i, p in enumerate(s.points):

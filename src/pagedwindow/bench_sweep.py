@@ -24,16 +24,6 @@ MAX_SWEEP_KEYS = 1 << 21
 """Keys of one point at most (16 GiB of bf16 K/V at Hkv 8): the bench holds its input sets and FlashInfer's
 contiguous K and V copies of each, so larger batches do not fit on an H200."""
 
-AXIS_LABELS = {
-    "batch": "requests",
-    "new_tokens": "new tokens per request",
-    "cached": "cached keys per request",
-    "kv_len": "keys per request",
-    "page_size": "page size",
-    "window_left": "window_left (-1: none)",
-    "shape": "batch shape",
-}
-
 
 @dataclass(frozen=True)
 class SweepPoint:
@@ -67,7 +57,7 @@ class SweepPoint:
 @dataclass(frozen=True)
 class SweepSlice:
     name: str
-    x: str  # axis names (AXIS_LABELS)
+    x: str  # axis names (viz.bench_plots.AXIS_LABELS labels them)
     y: str
     points: tuple[SweepPoint, ...]
 

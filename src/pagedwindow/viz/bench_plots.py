@@ -9,6 +9,16 @@ import math
 from ..measure.bench_results import PREP_SYSTEMS, BenchResults, applied_bound
 from .figures import new_figure, zero_floor
 
+AXIS_LABELS = {  # a sweep slice's axis name (bench_sweep.SweepSlice.x, .y) -> its label on the heat map
+    "batch": "requests",
+    "new_tokens": "new tokens per request",
+    "cached": "cached keys per request",
+    "kv_len": "keys per request",
+    "page_size": "page size",
+    "window_left": "window_left (-1: none)",
+    "shape": "batch shape",
+}
+
 
 def plot_throughput(results: BenchResults):
     """Grouped bars: useful TF/s of every system on every workload; ``missing`` where ms is null."""
@@ -166,8 +176,6 @@ def plot_sweep(sweep: list[dict]):
     best at each point, coloured on a log2 scale centred on parity (red: slower, blue: faster) and labelled with
     its value; grey ``n/a`` where a time is missing."""
     from matplotlib.colors import TwoSlopeNorm
-
-    from ..bench_sweep import AXIS_LABELS
 
     slices = list(dict.fromkeys(r["slice"] for r in sweep))
     cols = min(3, max(1, len(slices)))

@@ -47,17 +47,16 @@ def _imports(path: Path):
     for node in ast.walk(tree):
         names: list[list[str]] = []
         if isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package[: len(package) - (node.level - 1)]
-            elif node.module and (node.module == "pagedwindow" or node.module.startswith("pagedwindow.")):
-                base, node_module = [], node.module.split(".")[1:]
-                names = [node_module + [a.name]] if not node_module else [node_module]
-                yield from ((_unit(n), id(node) in inside) for n in names)
-                continue
+            dotted = (node.module or "").split(".") if node.module else []
+            if node.level:  # from .x import y, from .. import y
+                module = package[: len(package) - (node.level - 1)] + dotted
+            elif dotted[:1] == ["pagedwindow"]:  # from pagedwindow[.x] import y
+                module = dotted[1:]
             else:
                 continue
-            module = base + (node.module.split(".") if node.module else [])
-            names = [module + [a.name] for a in node.names] if node.module is None else [module]
+            names = [module] if module else [[a.name] for a in node.names]
+            if node.module is None:  # from . import x, y: each name may be a module
+                names = [module + [a.name] for a in node.names]
         elif isinstance(node, ast.Import):
             names = [a.name.split(".")[1:] for a in node.names if a.name.split(".")[0] == "pagedwindow"]
         yield from ((_unit(n), id(node) in inside) for n in names)

@@ -1,6 +1,7 @@
 """Every bad input to the wrappers fails with PagedWindowError naming the value — and writes nothing."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -87,6 +88,7 @@ def full(shape, value=7.0, dtype=torch.float32):
         (1e-39, "sm_scale = 1e-39 is below fp32's smallest normal"),
         (-1e-46, "sm_scale = -1e-46"),
         (-math.inf, "sm_scale = -inf"),
+        (10**400, "batch_prefill_paged_window: sm_scale = 1000000"),  # past a float: refused like infinity
     ],
 )
 def test_bad_sm_scale(case, sm_scale, fragment):
@@ -100,7 +102,7 @@ def test_bad_sm_scale(case, sm_scale, fragment):
 @pytest.mark.parametrize(
     "window_left, fragment",
     [
-        (-2, "window_left = -2 is below its minimum -1"),
+        (-2, "batch_prefill_paged_window: window_left = -2 is below its minimum -1"),
         (2**31, "window_left = 2147483648 does not fit in int32"),
         (1.5, "window_left must be an integer"),
         (False, "window_left must be an integer"),
@@ -132,14 +134,18 @@ def test_oversized_last_page(case):
     plan = pw.PrefillPagedPlan.single([0], 6, 0, 6, **other_plan(case, page_size=8))
     out = full((6, HQ, D))
     q = torch.randn(6, HQ, D)
+    # the page sizes are compared first: a last page and page ids only mean something in the pool's pages
     expect_refusal(
-        prefill_call(case, plan=plan, q=q, out_tensor=out), "plan last_page_len 6 exceeds page_size 4", out, case.pool
+        prefill_call(case, plan=plan, q=q, out_tensor=out),
+        "plan.page_size 8 disagrees with the pool's 4",
+        out,
+        case.pool,
     )
     expect_refusal(
         lambda: pw.append_paged_kv(
             torch.randn(6, HKV, D), torch.randn(6, HKV, D), case.pool, case.layout, case.layer, plan
         ),
-        "exceeds page_size 4",
+        "plan.page_size 8 disagrees with the pool's 4",
         case.pool,
     )
 
@@ -422,6 +428,113 @@ def test_inference_tensors_are_written_only_inside_inference_mode(case):
         assert torch.equal(pool, expected) and not torch.equal(pool, case.pool)
     # an inference-mode pool may be read by the prefill outside inference mode (it is not written)
     assert torch.equal(prefill_call(case, pool=pool)(), prefill_call(case, pool=expected.clone())())
+
+
+def _quiet(make):
+    """``make`` with the prototype / beta warnings of nested and sparse CSR tensors silenced."""
+
+    def made(t):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return make(t)
+
+    return made
+
+
+@pytest.mark.parametrize(
+    "make, kind",
+    [
+        (_quiet(lambda t: torch.nested.nested_tensor([t[:1], t[1:]])), "a nested tensor"),
+        (_quiet(lambda t: t.to_sparse()), "layout torch.sparse_coo"),
+        (_quiet(lambda t: t.reshape(t.shape[0], -1).to_sparse_csr()), "layout torch.sparse_csr"),
+    ],
+    ids=["nested", "sparse_coo", "sparse_csr"],
+)
+def test_nested_and_sparse_tensors_are_refused_in_every_slot(case, make, kind):
+    fragment = f"must be a dense (strided) tensor, got {kind}"
+    appended(case)
+    out = full(case.q.shape)
+    expect_refusal(prefill_call(case, q=make(case.q), out_tensor=out), f"q {fragment}", out, case.pool)
+    expect_refusal(prefill_call(case, out_tensor=make(out.clone())), f"out {fragment}", out, case.pool)
+    expect_refusal(prefill_call(case, pool=make(case.pool), out_tensor=out), f"pool {fragment}", out, case.pool)
+    pool = case.pool.clone()
+    k = make(case.k)
+    expect_refusal(lambda: pw.append_paged_kv(k, case.v, pool, case.layout, case.layer, case.plan), "k ", pool)
+    ones = torch.ones(D)
+    expect_refusal(
+        lambda: pw.prepare_paged_qkv(
+            case.q,
+            case.k,
+            case.v,
+            pool,
+            case.layout,
+            case.layer,
+            case.plan,
+            q_norm_weight=make(torch.ones(2, D // 2)) if kind.endswith("csr") else make(ones),
+            k_norm_weight=ones,
+            eps=1e-6,
+            rope_theta=10000.0,
+            norm_style="gemma4",
+        ),
+        "q_norm_weight ",
+        pool,
+    )
+
+
+def test_a_meta_pool_is_refused_before_any_tensor_check(case):
+    meta_pool, meta_q = case.pool.to("meta"), case.q.to("meta")
+    k, v = case.k.to("meta"), case.v.to("meta")
+    for call in (
+        prefill_call(case, q=meta_q, pool=meta_pool),
+        lambda: pw.append_paged_kv(k, v, meta_pool, case.layout, case.layer, case.plan),
+    ):
+        with pytest.raises(pw.PagedWindowError, match="pool is on the meta device"):
+            call()
+
+
+def test_under_torch_compile_the_reference_refuses_overlap_and_inference_outputs(case):
+    """torch.compile traces the checks on fake tensors, which have no addresses; the reference backend then runs
+    on the real ones, so the overlap and inference-mode checks run on them first, and nothing is written."""
+    appended(case)
+
+    def prefill(q, out):
+        return pw.batch_prefill_paged_window(
+            q, case.pool, case.layout, case.layer, case.plan, sm_scale=0.5, window_left=3, out=out
+        )
+
+    def append(k, pool):
+        pw.append_paged_kv(k, case.v, pool, case.layout, case.layer, case.plan)
+
+    def prep(q, out_q):
+        ones = torch.ones(D)
+        return pw.prepare_paged_qkv(
+            q,
+            case.k,
+            case.v,
+            case.pool,
+            case.layout,
+            case.layer,
+            case.plan,
+            q_norm_weight=ones,
+            k_norm_weight=ones,
+            eps=1e-6,
+            rope_theta=10000.0,
+            norm_style="gemma4",
+            out_q=out_q,
+        )
+
+    compiled = {fn: torch.compile(fn, backend="eager") for fn in (prefill, append, prep)}
+    q = case.q.clone()
+    expect_refusal(lambda: compiled[prefill](q, q), "batch_prefill_paged_window: out overlaps q", q, case.pool)
+    pool = case.pool.clone()
+    k_in_pool = pool.view(-1)[: case.k.numel()].view(case.k.shape)
+    expect_refusal(lambda: compiled[append](k_in_pool, pool), "append_paged_kv: pool overlaps k", pool)
+    expect_refusal(lambda: compiled[prep](q, q), "prepare_paged_qkv: out_q overlaps q", q, case.pool)
+    with torch.inference_mode():
+        out = torch.zeros(case.q.shape)
+    expect_refusal(lambda: compiled[prefill](case.q, out), "out was made under torch.inference_mode()", out)
+    good = torch.zeros(case.q.shape)
+    assert torch.equal(compiled[prefill](case.q, good), prefill_call(case)())  # a good call runs as eager
 
 
 # -- sm_scale is used as fp32 --------------------------------------------------------------------------------

@@ -720,7 +720,7 @@ def test_plan_page_size_disagrees_with_the_pool(case):
         prep_call(
             case, plan=plan, out_q=out_q, q=torch.randn(6, HQ, D), k=torch.randn(6, HKV, D), v=torch.randn(6, HKV, D)
         ),
-        "plan last_page_len 6 exceeds page_size 4",
+        "plan.page_size 8 disagrees with the pool's 4",  # compared before the last page's length
         out_q,
         case.b.pool,
     )

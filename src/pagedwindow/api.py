@@ -2,14 +2,14 @@
 
 ``batch_prefill_paged_window`` reads attention through a plan; ``append_paged_kv`` writes the new rows' K/V into
 their slots ("append then attend"); ``prepare_paged_qkv`` is Gemma's prep (q/k/v norms, RoPE) fused with that
-write. Both route to a backend: ``"reference"`` (PyTorch), ``"cuda"`` (our kernels)
+write. Each routes to a backend: ``"reference"`` (PyTorch), ``"cuda"`` (our kernels)
 or ``"auto"`` (cuda when the tensors are on a GPU and the kernels can run them, else the reference; a fallback
 on GPU tensors warns once, with the reason).
 
 Autograd: no op is differentiable. Inputs that require grad (q, k, v, norm weights) are read as detached values; a
 tensor that would be written (``out``, ``lse``, ``out_q``, the pool) must not require grad, and one made under
 ``torch.inference_mode()`` may only be written inside inference mode. Both are refused before
-any write.
+any write, under torch.compile too.
 
 Host cost: a call re-checks everything, but what depends only on the pool is cached (the checked geometry, keyed
 by the layout, layer and the pool's dtype, shape and contiguity) and what depends only on the plan is computed once
@@ -127,7 +127,10 @@ def _pool_geometry(what: str, layout, pool, layer, head_dim: int, num_kv_heads: 
     the geometry never reads)."""
     if type(pool) is not torch.Tensor or type(layer) is not int or type(layout) is not PagedKvLayout:
         return checked_paged_geometry(what, layout, pool, layer, head_dim, num_kv_heads)
-    key = (layout, layer, head_dim, num_kv_heads, pool.dtype, pool.shape, pool.is_contiguous())
+    try:
+        key = (layout, layer, head_dim, num_kv_heads, pool.dtype, pool.shape, pool.is_contiguous())
+    except RuntimeError:  # a tensor without sizes or strides (nested, sparse): the full check names it
+        return checked_paged_geometry(what, layout, pool, layer, head_dim, num_kv_heads)
     geometry = _geometries.get(key)
     if geometry is None:
         geometry = checked_paged_geometry(what, layout, pool, layer, head_dim, num_kv_heads)
@@ -138,19 +141,20 @@ def _pool_geometry(what: str, layout, pool, layer, head_dim: int, num_kv_heads: 
 
 
 def _check_plan_against_pool(what: str, plan, geometry: PagedGeometry) -> None:
-    """The plan's recorded bounds fit the pool (the kernels have no device-side bounds check)."""
+    """The plan's page size is the pool's, and its recorded bounds fit the pool (the kernels have no device-side
+    bounds check)."""
+    if plan.page_size != geometry.page_size:  # first: the bounds below are in the pool's pages
+        raise PagedWindowError(
+            f"{what}: plan.page_size {plan.page_size} disagrees with the pool's {geometry.page_size}"
+        )
     if plan.max_page_index >= geometry.num_pages:
         raise PagedWindowError(
             f"{what}: plan page id {plan.max_page_index} is past the pool's {geometry.num_pages} pages "
             f"(bound {geometry.num_pages - 1})"
         )
-    if plan.max_last_page_len > geometry.page_size:
+    if plan.max_last_page_len > geometry.page_size:  # the plan keeps it within its page size: a guard
         raise PagedWindowError(
             f"{what}: plan last_page_len {plan.max_last_page_len} exceeds page_size {geometry.page_size}"
-        )
-    if plan.page_size != geometry.page_size:
-        raise PagedWindowError(
-            f"{what}: plan.page_size {plan.page_size} disagrees with the pool's {geometry.page_size}"
         )
 
 
@@ -159,6 +163,8 @@ def _plan_on_pool(what: str, plan, layout, pool, layer):
     _check_plan(what, plan)
     state = plan.state
     geometry = _pool_geometry(what, layout, pool, layer, state.head_dim, state.num_kv_heads)
+    if pool.is_meta:
+        raise PagedWindowError(f"{what}: pool is on the meta device (it holds no data to read or write)")
     _check_plan_against_pool(what, state, geometry)
     return state, geometry
 
@@ -168,16 +174,18 @@ def _check_rows(what: str, name: str, t, shape: tuple[int, ...], dtype: torch.dt
     ``shape = (rows, *tail)``: the plan's ``total_tokens``, then a row's shape (built once per call, shared by the
     tensors of one shape)."""
     if type(t) is torch.Tensor:  # the every-call case, in one expression; any failure gets its message below
-        got = t.shape
-        if (
-            (got == shape or (len(got) == len(shape) and got[1:] == shape[1:] and got[0] >= shape[0]))
-            and t.dtype == dtype
-            and t.is_contiguous()
-            and t.device == device
-        ):
-            return
-    if not isinstance(t, torch.Tensor):
-        raise PagedWindowError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        try:
+            got = t.shape
+            if (
+                (got == shape or (len(got) == len(shape) and got[1:] == shape[1:] and got[0] >= shape[0]))
+                and t.dtype == dtype
+                and t.is_contiguous()
+                and t.device == device
+            ):
+                return
+        except RuntimeError:  # a nested or sparse tensor: no sizes or strides to read
+            pass
+    _check_dense(what, name, t)
     rows, tail = shape[0], tuple(shape[1:])
     got = t.shape
     if len(got) != 1 + len(tail) or tuple(got[1:]) != tail:
@@ -190,6 +198,16 @@ def _check_rows(what: str, name: str, t, shape: tuple[int, ...], dtype: torch.dt
         raise PagedWindowError(f"{what}: {name} is on {t.device} but the pool is on {device}")
     if not t.is_contiguous():
         raise PagedWindowError(f"{what}: {name} must be contiguous (strides {t.stride()})")
+
+
+def _check_dense(what: str, name: str, t) -> None:
+    """``t`` is a tensor with sizes and strides: not a nested or sparse one, whose shape or contiguity cannot be
+    read the usual way."""
+    if not isinstance(t, torch.Tensor):
+        raise PagedWindowError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested or t.layout is not torch.strided:
+        kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise PagedWindowError(f"{what}: {name} must be a dense (strided) tensor, got {kind}")
 
 
 def _check_writable(what: str, name: str, t: torch.Tensor, compiling: bool) -> None:
@@ -227,8 +245,9 @@ def _memory_spans(
 
 def _check_disjoint(what: str, spans: list[tuple[str, int, int]] | None, written: int) -> None:
     """The first ``written`` spans are tensors the call writes: none shares a byte with any other span (it would
-    be read while being written, or written twice). Under torch.compile (``spans`` None) the custom ops' mutation
-    annotations cover aliasing."""
+    be read while being written, or written twice). Under torch.compile (``spans`` None) nothing is checked here:
+    the CUDA backend's custom ops declare what they mutate, and the reference backend runs on the real tensors,
+    checked first by :func:`_check_real_tensors`."""
     if spans is None:
         return
     for i in range(written):
@@ -236,6 +255,19 @@ def _check_disjoint(what: str, spans: list[tuple[str, int, int]] | None, written
         for other, t0, t1 in spans[i + 1 :]:
             if w0 < t1 and t0 < w1:
                 raise PagedWindowError(f"{what}: {name} overlaps {other} in memory")
+
+
+@torch.compiler.disable
+def _check_real_tensors(what: str, named: tuple[tuple[str, torch.Tensor | None], ...], written: int) -> None:
+    """Under torch.compile, before the reference backend runs: the checks the traced call could not make on fake
+    tensors, made here on the real ones (this function, like the reference's entry points, runs eagerly). The
+    first ``written`` of ``named`` are the tensors the call writes (None ones skipped): each may be written in the
+    current inference mode, and none overlaps another tensor of the call."""
+    writes = [(name, t) for name, t in named[:written] if t is not None]
+    for name, t in writes:
+        _check_writable(what, name, t, compiling=False)
+    spans, _ = _memory_spans(False, *named)
+    _check_disjoint(what, spans, len(writes))
 
 
 _first_byte = operator.itemgetter(1)
@@ -250,9 +282,10 @@ def _addresses(spans: list[tuple[str, int, int]] | None) -> Iterable[int] | None
 def _check_prefill_call(pool, layout, layer, plan, sm_scale, window_left) -> tuple:
     """``batch_prefill_paged_window``'s checks before its tensors': the scale, the window, the plan on the pool.
     Returns ``(sm_scale rounded to fp32, window_left, the plan's state, the geometry)``."""
-    sm_scale = check_sm_scale(sm_scale)
-    window_left = check_window_left(window_left)
-    state, geometry = _plan_on_pool("batch_prefill_paged_window", plan, layout, pool, layer)
+    what = "batch_prefill_paged_window"
+    sm_scale = check_sm_scale(sm_scale, what)
+    window_left = check_window_left(window_left, what)
+    state, geometry = _plan_on_pool(what, plan, layout, pool, layer)
     return sm_scale, window_left, state, geometry
 
 
@@ -271,9 +304,13 @@ def _check_prefill_tensors(q, pool, plan, state, *, out, lse, backend, compiling
         _check_rows(what, "lse", lse, (rows, state.num_qo_heads), torch.float32, device)
         _check_writable(what, "lse", lse, compiling)
     written = (out is not None) + (lse is not None)  # the spans of out and lse come first (None ones are skipped)
-    spans, address_bits = _memory_spans(compiling, ("out", out), ("lse", lse), ("q", q), ("pool", pool))
+    named = (("out", out), ("lse", lse), ("q", q), ("pool", pool))
+    spans, address_bits = _memory_spans(compiling, *named)
     _check_disjoint(what, spans, written)
-    return _resolve_backend(what, backend, plan, device, dtype, _addresses(spans), address_bits)
+    chosen = _resolve_backend(what, backend, plan, device, dtype, _addresses(spans), address_bits)
+    if compiling and chosen == "reference":
+        _check_real_tensors(what, named, 2)
+    return chosen
 
 
 def check_batch_prefill_paged_window(
@@ -381,9 +418,12 @@ def append_paged_kv(
     _check_rows(what, "k", k, kv_shape, dtype, device)
     _check_rows(what, "v", v, kv_shape, dtype, device)
     _check_writable(what, "pool", pool, compiling)
-    spans, address_bits = _memory_spans(compiling, ("pool", pool), ("k", k), ("v", v))
+    named = (("pool", pool), ("k", k), ("v", v))
+    spans, address_bits = _memory_spans(compiling, *named)
     _check_disjoint(what, spans, 1)
     chosen = _resolve_backend(what, backend, plan, device, dtype, _addresses(spans), address_bits)
+    if compiling and chosen == "reference":
+        _check_real_tensors(what, named, 1)
     if rows == 0:
         return
     if chosen == "cuda":
@@ -395,16 +435,18 @@ def append_paged_kv(
 def _check_norm_weight(what: str, name: str, w, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
     """A norm weight: a contiguous ``[head_dim]`` tensor on ``device`` (the pool's), in ``dtype`` (the pool's) or
     fp32."""
-    if (
-        type(w) is torch.Tensor  # the every-call case, in one expression; any failure gets its message below
-        and w.shape == (head_dim,)
-        and (w.dtype == dtype or w.dtype == torch.float32)
-        and w.is_contiguous()
-        and w.device == device
-    ):
-        return
-    if not isinstance(w, torch.Tensor):
-        raise PagedWindowError(f"{what}: {name} must be a torch.Tensor, got {type(w).__name__}")
+    try:
+        if (
+            type(w) is torch.Tensor  # the every-call case, in one expression; any failure gets its message below
+            and w.shape == (head_dim,)
+            and (w.dtype == dtype or w.dtype == torch.float32)
+            and w.is_contiguous()
+            and w.device == device
+        ):
+            return
+    except RuntimeError:  # a nested or sparse tensor: no sizes or strides to read
+        pass
+    _check_dense(what, name, w)
     if tuple(w.shape) != (head_dim,):
         raise PagedWindowError(f"{what}: {name} shape {tuple(w.shape)} must be [{head_dim}] (head_dim)")
     if w.dtype not in (dtype, torch.float32):
@@ -441,8 +483,8 @@ def prepare_paged_qkv(
     — the projections before the norms, in request order, the pool's dtype, read as detached values. The normed,
     rotated K and the normed V land where ``append_paged_kv`` writes (KV positions ``start_i + j``); RoPE uses
     those positions. ``norm_style``: ``"gemma4"`` (``x̂·w`` on q and k, ``x̂`` on v) or ``"gemma3"``
-    (``x̂·(1 + w)`` on q and k, v as given); ``q_norm_weight`` / ``k_norm_weight``: ``[head_dim]``, the pool's
-    dtype or fp32. ``eps``: finite, > 0 (used in fp32). ``rope_theta``: RoPE's base, finite, > 0;
+    (``x̂·(1 + w)`` on q and k, v as given); ``q_norm_weight`` / ``k_norm_weight``: ``[head_dim]``, one dtype for
+    both, the pool's or fp32. ``eps``: finite, > 0 (used in fp32). ``rope_theta``: RoPE's base, finite, > 0;
     ``rope_position_factor``: Hugging Face's linear RoPE scaling (positions divided by it), 1.0 = none. Norm
     statistics and the rotation run in fp32 (``pagedwindow.gemma_prep`` states the math). out_q (optional):
     like q; rows past ``total_tokens`` are untouched. Nothing is written unless every check passes.
@@ -494,8 +536,7 @@ def prepare_paged_qkv(
         _check_rows(what, "out_q", out_q, q_shape, dtype, device)
         _check_writable(what, "out_q", out_q, compiling)
     _check_writable(what, "pool", pool, compiling)
-    spans, address_bits = _memory_spans(  # the written tensors first (out_q skipped when None)
-        compiling,
+    named = (  # the written tensors first (out_q skipped when None)
         ("out_q", out_q),
         ("pool", pool),
         ("q", q),
@@ -504,8 +545,11 @@ def prepare_paged_qkv(
         ("q_norm_weight", q_norm_weight),
         ("k_norm_weight", k_norm_weight),
     )
+    spans, address_bits = _memory_spans(compiling, *named)
     _check_disjoint(what, spans, 1 + (out_q is not None))  # pool, and out_q when given
     chosen = _resolve_backend(what, backend, plan, device, dtype, _addresses(spans), address_bits)
+    if compiling and chosen == "reference":
+        _check_real_tensors(what, named, 2)
     if out_q is None:
         out_q = torch.empty(q_shape, dtype=q.dtype, device=q.device)
     if rows == 0:

@@ -14,14 +14,12 @@ with ``norm(x) = x / sqrt(mean(x^2) + eps)`` over the head dimension, in fp32. `
 
 from __future__ import annotations
 
-import math
-import numbers
 from functools import lru_cache
 
 import torch
 
 from .errors import PagedWindowError
-from .semantics import round_to_fp32
+from .semantics import finite_positive, round_to_fp32
 
 NORM_STYLES = ("gemma4", "gemma3")
 """``"gemma4"``: weighted norms ``x̂·w`` on q and k, unweighted ``x̂`` on v; ``"gemma3"``: ``x̂·(1 + w)`` on q
@@ -41,23 +39,10 @@ def check_norm_style(what: str, norm_style) -> str:
     return norm_style
 
 
-def _finite_positive(what: str, name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise PagedWindowError(f"{what}: {name} must be a real number, got {value!r}")
-    try:
-        number = float(value)
-    except OverflowError:
-        number = math.inf
-    if not math.isfinite(number) or number <= 0.0:
-        shown = number if math.isfinite(number) or isinstance(value, float) else value
-        raise PagedWindowError(f"{what}: {name} = {shown!r} must be finite and > 0")
-    return number
-
-
 def check_positive_fp32(what: str, name: str, value) -> float:
     """A real number that is finite, > 0 and, rounded to fp32 (what the kernels use), a normal fp32 value;
     returns the fp32 value as a Python float."""
-    rounded = round_to_fp32(_finite_positive(what, name, value))
+    rounded = round_to_fp32(finite_positive(what, name, value))
     if not _FLT_MIN <= rounded <= _FLT_MAX:
         raise PagedWindowError(f"{what}: {name} = {value!r} is outside fp32's normal range")
     return rounded
@@ -66,7 +51,7 @@ def check_positive_fp32(what: str, name: str, value) -> float:
 def check_positive_real(what: str, name: str, value) -> float:
     """A real number that is finite and > 0, as a Python float (RoPE's theta and position factor: they enter
     the same torch ops as Hugging Face's, unrounded)."""
-    return _finite_positive(what, name, value)
+    return finite_positive(what, name, value)
 
 
 _last_scalars: list = [None, None]  # [(eps, theta, factor) last accepted as floats, their checked values]

@@ -93,6 +93,9 @@ def checked_paged_geometry(
         )
     if not isinstance(pool, torch.Tensor):
         raise PagedWindowError(f"{what}: pool must be a torch.Tensor, got {type(pool).__name__}")
+    if pool.is_nested or pool.layout is not torch.strided:
+        kind = "a nested tensor" if pool.is_nested else f"layout {pool.layout}"
+        raise PagedWindowError(f"{what}: pool must be a dense (strided) tensor, got {kind}")
     if pool.dtype not in POOL_DTYPES:
         raise PagedWindowError(f"{what}: pool dtype {pool.dtype} is not one of {POOL_DTYPES}")
     if pool.dim() != 6 or tuple(pool.shape[1:]) != layout.pool_shape(0)[1:]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 
-from .errors import PagedWindowError, checked_i32
+from .errors import INT32_MAX, PagedWindowError, checked_i32
 
 NO_WINDOW = -1
 
@@ -26,9 +26,28 @@ def window_left_from_sliding_window(sliding_window) -> int:
     return w - 1
 
 
-def check_window_left(window_left) -> int:
-    """``window_left`` is an inclusive distance: ``-1`` (no window) or ``>= 0``; it must fit in int32."""
-    return checked_i32("window_left", window_left, minimum=NO_WINDOW)
+def check_window_left(window_left, what: str = "") -> int:
+    """``window_left`` is an inclusive distance: ``-1`` (no window) or ``>= 0``; it must fit in int32. Errors start
+    with ``what`` (the op) when given."""
+    if type(window_left) is int and NO_WINDOW <= window_left <= INT32_MAX:
+        return window_left  # the every-call case
+    return checked_i32(f"{what}: window_left" if what else "window_left", window_left, minimum=NO_WINDOW)
+
+
+def finite_positive(what: str, name: str, value) -> float:
+    """A real number (not a bool) that is finite and > 0, as a Python float; integers too large for a float are
+    refused like infinity. Errors read ``"{what}: {name} = ..."``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise PagedWindowError(f"{what}: {name} must be a real number, got {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or number <= 0.0:
+        past_float = isinstance(value, numbers.Integral) and not math.isfinite(number)
+        shown = value if past_float else number  # an int too large for a float: as given
+        raise PagedWindowError(f"{what}: {name} = {shown!r} must be finite and > 0")
+    return number
 
 
 _FLT_MIN = 1.1754943508222875e-38  # smallest normal fp32
@@ -46,26 +65,22 @@ def round_to_fp32(value: float) -> float:
 _last_scale = [math.nan, math.nan]  # (the last accepted float, its fp32 rounding); nan never compares equal
 
 
-def check_sm_scale(sm_scale) -> float:
+def check_sm_scale(sm_scale, what: str = "attention") -> float:
     """``sm_scale`` is required, and after rounding to fp32 (what the kernels use) finite, normal and > 0, with
     ``sm_scale * log2(e)`` finite too (Gemma 4: 1.0; Gemma 3: query_pre_attn_scalar ** -0.5). Returns the fp32
-    value as a Python float."""
+    value as a Python float; errors start with ``what`` (the op)."""
     if type(sm_scale) is float and sm_scale == _last_scale[0]:
         return _last_scale[1]  # the serving loop's case: the same scale every call
-    if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
-        raise PagedWindowError(f"sm_scale must be a real number, got {sm_scale!r}")
-    value = float(sm_scale)
-    if not math.isfinite(value) or value <= 0.0:
-        raise PagedWindowError(f"sm_scale = {value!r} must be finite and > 0")
+    value = finite_positive(what, "sm_scale", sm_scale)
     rounded = round_to_fp32(value)
     if rounded > _FLT_MAX_OVER_LOG2E:
         raise PagedWindowError(
-            f"sm_scale = {value!r} is too large for fp32: sm_scale * log2(e) must stay finite "
+            f"{what}: sm_scale = {value!r} is too large for fp32: sm_scale * log2(e) must stay finite "
             f"(bound {_FLT_MAX_OVER_LOG2E:.6g})"
         )
     if rounded < _FLT_MIN:
         raise PagedWindowError(
-            f"sm_scale = {value!r} is below fp32's smallest normal number {_FLT_MIN!r} (it "
+            f"{what}: sm_scale = {value!r} is below fp32's smallest normal number {_FLT_MIN!r} (it "
             f"would round to a subnormal or 0)"
         )
     _last_scale[:] = (value, rounded)

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -267,3 +268,195 @@ def test_reset_drops_the_pools_so_reused_pages_read_nan_and_the_dtype_may_change
 def test_prompt_chunks_refuses_a_prompt_shorter_than_one_token(lens):
     with pytest.raises(pw.PagedWindowError, match=r"must each be at least one token"):
         prompt_chunks(lens)
+
+
+# -- integer arguments: every entry point refuses bools, floats, strings and None, and a refusal changes nothing --
+
+
+def _fed_state():
+    """Two layers in two pool groups, two requests, one step fed in full: pools, pages and plans all exist."""
+    d = 8
+    state = PagedKvState([(1, d), (2, d)], page_size=4, backend="reference", seed=7)
+    state.reset(2)
+    state.begin_step([3, 2])
+    for layer, hkv in ((0, 1), (1, 2)):
+        kv = torch.randn(5, hkv, d)
+        state.attend(layer, torch.randn(5, 2, d), kv, kv, sm_scale=1.0, window_left=-1)
+    return state
+
+
+def _snapshot(state):
+    """What a caller can observe of ``state`` (the free list too: the pages the next step is handed)."""
+    seen = (state.describe(), state.step, state.fed_layers, state.dtype, state.device, list(state._free))
+    return seen, [state.pool(layer) for layer in range(state.num_layers)]
+
+
+def _refused(state, call, message):
+    """``call(state)`` raises a PagedWindowError matching ``message`` and leaves the state as it was (pools bit for
+    bit, NaNs included)."""
+    seen, pools = _snapshot(state)
+    pools = [None if p is None else p.clone() for p in pools]
+    with pytest.raises(pw.PagedWindowError, match=message):
+        call(state)
+    seen_after, pools_after = _snapshot(state)
+    assert seen_after == seen
+    for a, b in zip(pools_after, pools):
+        assert (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+_NOT_INTS = [(2.9, r"2\.9 \(float\)"), (2.0, r"2\.0 \(float\)"), (True, r"True \(bool\)"), ("2", r"'2' \(str\)")]
+_NOT_INTS += [(None, r"None \(NoneType\)")]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [(dict(page_size=bad), rf"^PagedKvState: page_size must be an integer, got {m}$") for bad, m in _NOT_INTS]
+    + [(dict(initial_pages=bad), rf"^PagedKvState: initial_pages must be an integer, got {m}$") for bad, m in _NOT_INTS]
+    + [
+        (dict(page_size=0), r"^PagedKvState: page_size = 0 is below its minimum 1$"),
+        (dict(page_size=2**31), r"^PagedKvState: page_size = 2147483648 does not fit in int32"),
+        (dict(initial_pages=0), r"^PagedKvState: initial_pages = 0 is below its minimum 1$"),
+        (dict(layers=None), r"^PagedKvState: layers must be \(num_kv_heads, head_dim\) pairs, got None$"),
+        (dict(layers=[(1, 8), 5]), r"^PagedKvState: layers must be \(num_kv_heads, head_dim\) pairs"),
+        (dict(layers=[(1, 8), (1,)]), r"^PagedKvState: layers\[1\] = \(1,\) is not a \(num_kv_heads, head_dim\)"),
+        (dict(layers=[(1, 8, 2)]), r"^PagedKvState: layers\[0\] = \(1, 8, 2\) is not a"),
+        (dict(layers=[(1, 8), (1.0, 8)]), r"^PagedKvState: layers\[1\] num_kv_heads must be an integer, got 1\.0"),
+        (dict(layers=[(1, 8.7)]), r"^PagedKvState: layers\[0\] head_dim must be an integer, got 8\.7 \(float\)$"),
+        (dict(layers=[(True, 8)]), r"^PagedKvState: layers\[0\] num_kv_heads must be an integer, got True"),
+        (dict(layers=[(1, "8")]), r"^PagedKvState: layers\[0\] head_dim must be an integer, got '8' \(str\)$"),
+        (dict(layers=[(0, 8)]), r"^PagedKvState: layers\[0\] num_kv_heads = 0 is below its minimum 1$"),
+    ],
+)
+def test_the_constructor_refuses_sizes_and_geometry_that_are_not_positive_integers(kwargs, message):
+    kwargs = {"layers": [(1, 8)], **kwargs}
+    with pytest.raises(pw.PagedWindowError, match=message):
+        PagedKvState(kwargs.pop("layers"), backend="reference", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("batch_size", "message"),
+    [(bad, rf"^reset: batch_size must be an integer, got {m}$") for bad, m in _NOT_INTS]
+    + [
+        (0, r"^reset: batch_size = 0 is below its minimum 1$"),
+        (-1, r"^reset: batch_size = -1 is below its minimum 1$"),
+        (2**31, r"^reset: batch_size = 2147483648 does not fit in int32"),
+    ],
+)
+def test_reset_refuses_a_batch_size_that_is_not_a_positive_integer(batch_size, message):
+    _refused(_fed_state(), lambda s: s.reset(batch_size), message)
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "message"),
+    [([1, bad], rf"^begin_step: seq_lens\[1\] must be an integer, got {m}$") for bad, m in _NOT_INTS]
+    + [
+        (None, r"^begin_step: seq_lens must be a sequence of integers, got NoneType$"),
+        (3, r"^begin_step: seq_lens must be a sequence of integers, got int$"),
+        ("12", r"^begin_step: seq_lens must be a sequence of integers, got str$"),
+        ([[1], 2], r"^begin_step: seq_lens\[0\] must be an integer, got \[1\] \(list\)$"),
+        (torch.tensor([1.0, 2.0]), r"^begin_step: seq_lens must hold integers, got dtype torch\.float32$"),
+        ([2, -1], r"^begin_step: seq_lens\[1\] = -1 is below its minimum 0$"),
+        ([2**31, 0], r"^begin_step: seq_lens\[0\] = 2147483648 does not fit in int32"),
+        ([1], r"^begin_step: 1 seq_lens for a batch of 2$"),
+    ],
+)
+def test_begin_step_refuses_lengths_that_are_not_non_negative_integers(seq_lens, message):
+    _refused(_fed_state(), lambda s: s.begin_step(seq_lens), message)
+
+
+_BAD_LAYERS = [(bad, rf"layer must be an integer, got {m}$") for bad, m in _NOT_INTS]
+_BAD_LAYERS += [(2, r"layer 2 out of range \[0, 2\)$"), (-1, r"layer -1 out of range \[0, 2\)$")]
+
+
+@pytest.mark.parametrize("method", ["layout", "pool"])
+@pytest.mark.parametrize(("layer", "message"), _BAD_LAYERS)
+def test_layout_and_pool_refuse_a_layer_that_is_not_an_index(method, layer, message):
+    _refused(_fed_state(), lambda s: getattr(s, method)(layer), rf"^{method}: {message}")
+
+
+@pytest.mark.parametrize("method", ["attend", "prepare", "prepare_and_attend"])
+@pytest.mark.parametrize(("layer", "message"), _BAD_LAYERS)
+def test_a_feed_refuses_a_layer_that_is_not_an_index_and_can_be_retried(method, layer, message):
+    d = 8
+    state = _fed_state()
+    state.begin_step([1, 2])
+    q, k, v = torch.randn(3, 2, d), torch.randn(3, 1, d), torch.randn(3, 1, d)
+    attention = dict(sm_scale=1.0, window_left=-1)
+    extra = {"attend": attention, "prepare": _prep_kwargs(d)}.get(method, dict(_prep_kwargs(d), **attention))
+    _refused(state, lambda s: getattr(s, method)(layer, q, k, v, **extra), rf"^{method}: {message}")
+    assert getattr(state, method)(0, q, k, v, **extra).shape == (3, 2, d)  # the retry runs
+    assert state.fed_layers == {0}
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [((bad, 0), rf"^read_kv: layer must be an integer, got {m}$") for bad, m in _NOT_INTS]
+    + [((0, bad), rf"^read_kv: request must be an integer, got {m}$") for bad, m in _NOT_INTS]
+    + [((0, 0, bad), rf"^read_kv: lo must be an integer, got {m}$") for bad, m in _NOT_INTS if bad is not None]
+    + [((0, 0, 0, bad), rf"^read_kv: hi must be an integer, got {m}$") for bad, m in _NOT_INTS if bad is not None]
+    + [
+        ((2, 0), r"^read_kv: layer 2 out of range \[0, 2\)$"),
+        ((0, -1), r"^read_kv: request -1 out of range \[0, 2\)$"),
+        ((0, 0, -1), r"^read_kv: positions \[-1, 3\) are not within the 3 request 0 holds$"),
+    ],
+)
+def test_read_kv_refuses_indices_that_are_not_integers(args, message):
+    _refused(_fed_state(), lambda s: s.read_kv(*args), message)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [((bad, 1, 8), rf"^plan_for: num_qo_heads must be an integer, got {m}$") for bad, m in _NOT_INTS]
+    + [
+        ((2, True, 8), r"^plan_for: num_kv_heads must be an integer, got True \(bool\)$"),
+        ((2, 1, 8.0), r"^plan_for: head_dim must be an integer, got 8\.0 \(float\)$"),
+        ((0, 1, 8), r"^plan_for: num_qo_heads = 0 is below its minimum 1$"),
+    ],
+)
+def test_plan_for_refuses_a_head_geometry_that_is_not_positive_integers(args, message):
+    """A refused geometry is never looked up: 2.0 would otherwise find the plan built for 2."""
+    _refused(_fed_state(), lambda s: s.plan_for(*args), message)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(([3, bad],), rf"^case x: prompt_lens\[1\] must be an integer, got {m}$") for bad, m in _NOT_INTS]
+    + [(([3], [(1, bad)]), rf"^case x: chunks\[0\]\[1\] must be an integer, got {m}$") for bad, m in _NOT_INTS]
+    + [
+        ((None,), r"^case x: prompt_lens must be a sequence of integers, got NoneType$"),
+        (([3], 3), r"^case x: chunks must be one sequence of chunk sizes per prompt, got 3$"),
+        (([3], [3]), r"^case x: chunks\[0\] must be a sequence of integers, got int$"),
+    ],
+)
+def test_prompt_chunks_refuses_lengths_that_are_not_integers(args, message):
+    with pytest.raises(pw.PagedWindowError, match=message):
+        prompt_chunks(*args, what="case x: ")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [((bad, 1), rf"^prompt_len must be an integer, got {m}$") for bad, m in _NOT_INTS]
+    + [((4, bad), rf"^prefix_len must be an integer, got {m}$") for bad, m in _NOT_INTS],
+)
+def test_prefix_chunks_refuses_lengths_that_are_not_integers(args, message):
+    with pytest.raises(pw.PagedWindowError, match=message):
+        prefix_chunks(*args)
+
+
+def test_numpy_integers_and_integer_tensors_are_accepted_as_python_ints():
+    d = 8
+    state = PagedKvState(np.array([[1, d], [2, d]]), page_size=np.int64(4), initial_pages=np.int32(2))
+    assert type(state.page_size) is int and state.describe()["groups"] == {"hkv1_d8": [0], "hkv2_d8": [1]}
+    state.reset(np.int32(2))
+    assert state.begin_step(torch.tensor([0, 0])).seq == (0, 0)  # a step without rows: no layer needs feeding
+    step = state.begin_step(np.array([3, 2], dtype=np.int32))
+    assert step.seq == (3, 2) and all(type(n) is int for n in step.seq)
+    for layer in (np.int64(0), np.int32(1)):
+        kv = torch.randn(5, int(layer) + 1, d)
+        state.attend(layer, torch.randn(5, 2, d), kv, kv, sm_scale=1.0, window_left=-1)
+    assert state.fed_layers == {0, 1} and all(type(layer) is int for layer in state.fed_layers)
+    assert state.layout(np.int64(1)).num_kv_heads == 2 and state.pool(np.int64(0)) is not None
+    assert torch.equal(state.read_kv(np.int64(1), np.int64(0), np.int64(1), np.int64(3))[0], kv[1:3])
+    state.begin_step([np.int64(1), 2])
+    assert prompt_chunks(np.array([5, 3]), [np.array([2, 3]), (3,)]) == ((2, 3), (3,))
+    assert prefix_chunks(np.int64(5), np.int32(2)) == (2, 3)

@@ -32,26 +32,35 @@ from __future__ import annotations
 import functools
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .api import append_paged_kv, batch_prefill_paged_window, check_batch_prefill_paged_window, prepare_paged_qkv
-from .errors import PagedWindowError
+from .errors import PagedWindowError, checked_i32, checked_i32_array, checked_int, int_array
 from .layout import PagedKvLayout
 from .plan import PrefillPagedPlan
+
+
+def _lengths(what: str, values, *, minimum: int | None = 0) -> list[int]:
+    """``values`` (a sequence, numpy array or tensor of integers) as a list of int32-sized Python ints, each at least
+    ``minimum``: the one check every list of lengths goes through (bools, floats, strings refused)."""
+    return checked_i32_array(what, int_array(what, values), minimum=minimum).tolist()
 
 
 def prompt_chunks(prompt_lens, chunks=None, *, what: str = "") -> tuple[tuple[int, ...], ...]:
     """Per request, the chunk sizes its prompt is fed in, checked: one list per prompt, every chunk at least one
     token, a prompt's chunks summing to its length. ``chunks=None`` feeds each prompt in one chunk. ``what``
     (e.g. ``"case short: "``) starts the error's message."""
-    lens = [int(n) for n in prompt_lens]
+    lens = _lengths(f"{what}prompt_lens", prompt_lens, minimum=None)
     if any(n < 1 for n in lens):
         raise PagedWindowError(f"{what}prompt lengths {lens} must each be at least one token")
     if chunks is None:
         return tuple((n,) for n in lens)
-    chunks = tuple(tuple(int(x) for x in c) for c in chunks)
+    if isinstance(chunks, (str, bytes)) or not isinstance(chunks, Sequence):
+        raise PagedWindowError(f"{what}chunks must be one sequence of chunk sizes per prompt, got {chunks!r}")
+    chunks = tuple(tuple(_lengths(f"{what}chunks[{i}]", c, minimum=None)) for i, c in enumerate(chunks))
     if len(chunks) != len(lens):
         raise PagedWindowError(f"{what}{len(chunks)} chunk lists for {len(lens)} prompts")
     for n, c in zip(lens, chunks):
@@ -63,6 +72,7 @@ def prompt_chunks(prompt_lens, chunks=None, *, what: str = "") -> tuple[tuple[in
 def prefix_chunks(prompt_len: int, prefix_len: int) -> tuple[int, ...]:
     """A prompt fed as a prefix then the rest on top of it: ``(prompt_len,)`` for ``prefix_len == 0``, else
     ``(prefix_len, prompt_len - prefix_len)``; ``prefix_len`` must be in ``[0, prompt_len)``."""
+    prompt_len, prefix_len = checked_int("prompt_len", prompt_len), checked_int("prefix_len", prefix_len)
     if not 0 <= prefix_len < prompt_len:
         raise PagedWindowError(f"prefix_len = {prefix_len} must be in [0, prompt_len = {prompt_len})")
     return (prompt_len,) if prefix_len == 0 else (prefix_len, prompt_len - prefix_len)
@@ -73,6 +83,22 @@ def chunk_steps(chunks) -> list[list[int]]:
     the others (``chunks`` as :func:`prompt_chunks` returns them)."""
     steps = max((len(c) for c in chunks), default=0)
     return [[c[s] if s < len(c) else 0 for c in chunks] for s in range(steps)]
+
+
+def _layer_geometry(layers) -> list[tuple[int, int]]:
+    """``layers`` checked: per model layer a ``(num_kv_heads, head_dim)`` pair of positive int32s."""
+    try:
+        pairs = [tuple(pair) for pair in layers]
+    except TypeError:
+        raise PagedWindowError(f"PagedKvState: layers must be (num_kv_heads, head_dim) pairs, got {layers!r}") from None
+    geom = []
+    for i, pair in enumerate(pairs):
+        what = f"PagedKvState: layers[{i}]"
+        if len(pair) != 2:
+            raise PagedWindowError(f"{what} = {pair} is not a (num_kv_heads, head_dim) pair")
+        h = checked_i32(f"{what} num_kv_heads", pair[0], minimum=1)
+        geom.append((h, checked_i32(f"{what} head_dim", pair[1], minimum=1)))
+    return geom
 
 
 @dataclass(frozen=True)
@@ -126,6 +152,9 @@ class PagedKvState:
     """Resident KV of a batch of requests, every layer, in pagedwindow pools.
 
     layers: per model layer, ``(num_kv_heads, head_dim)``. backend: passed to both pagedwindow calls.
+    Every integer argument (sizes, lengths, layer and request indices) is checked before anything changes: bools,
+    floats, strings and None are refused with a ``PagedWindowError`` (numpy integers are accepted), and a refused
+    call leaves the state as it was.
     """
 
     def __init__(
@@ -138,20 +167,18 @@ class PagedKvState:
         initial_pages: int = 64,
         poison: bool = True,
     ):
-        self.page_size = int(page_size)
-        if self.page_size < 1:
-            raise PagedWindowError(f"page_size = {page_size} must be >= 1")
+        self.page_size = checked_i32("PagedKvState: page_size", page_size, minimum=1)
+        self._initial_pages = checked_i32("PagedKvState: initial_pages", initial_pages, minimum=1)
+        self._layer_geom = _layer_geometry(layers)
         self.backend = backend
         self.poison = poison
         self._rng = random.Random(seed)
-        self._layer_geom = [(int(h), int(d)) for h, d in layers]
         groups: dict = {}
         for idx, key in enumerate(self._layer_geom):
             groups.setdefault(key, []).append(idx)
         self._groups = {key: _Group(idx, key[0], key[1], self.page_size) for key, idx in groups.items()}
         self._group_of = {idx: self._groups[key] for key, idx_list in groups.items() for idx in idx_list}
         self.num_pages = 0
-        self._initial_pages = max(1, int(initial_pages))
         self._free: list = []
         self.dtype: torch.dtype | None = None
         self.device: torch.device | None = None
@@ -171,23 +198,29 @@ class PagedKvState:
     def num_layers(self) -> int:
         return len(self._layer_geom)
 
+    def _layer(self, what: str, layer: int) -> int:
+        """``layer`` checked: an integer (not a bool) in ``[0, num_layers)``."""
+        layer = checked_int(f"{what}: layer", layer)
+        if not 0 <= layer < self.num_layers:
+            raise PagedWindowError(f"{what}: layer {layer} out of range [0, {self.num_layers})")
+        return layer
+
     def layout(self, layer: int) -> PagedKvLayout:
-        return self._group_of[layer].layout
+        return self._group_of[self._layer("layout", layer)].layout
 
     def pool(self, layer: int) -> torch.Tensor | None:
-        return self._group_of[layer].pool
+        return self._group_of[self._layer("pool", layer)].pool
 
     def reset(self, batch_size: int) -> None:
         """Forget every request; start ``batch_size`` empty ones. Pages go back to the free list and the pools go
         too: the next feed allocates them afresh (poisoned, in its K/V's dtype), so a reused page never shows an
         old request's K/V and a new sequence may change dtype or device."""
-        if batch_size < 1:
-            raise PagedWindowError(f"batch_size = {batch_size} must be >= 1")
+        batch_size = checked_i32("reset: batch_size", batch_size, minimum=1)
         for pages in self.pages:
             self._free.extend(pages)
         self._rng.shuffle(self._free)
         self._drop_pools()
-        self.batch_size = int(batch_size)
+        self.batch_size = batch_size
         self.kv_lens = [0] * self.batch_size
         self.pages = [[] for _ in range(self.batch_size)]
         self.step = None
@@ -236,11 +269,9 @@ class PagedKvState:
 
         Every layer that attended in the previous step must have attended exactly once (no layer skipped).
         """
-        seq = [int(n) for n in seq_lens]
+        seq = _lengths("begin_step: seq_lens", seq_lens)
         if len(seq) != self.batch_size:
             raise PagedWindowError(f"begin_step: {len(seq)} seq_lens for a batch of {self.batch_size}")
-        if any(n < 0 for n in seq):
-            raise PagedWindowError(f"begin_step: negative seq_len in {seq}")
         self._check_step_complete()
         start = tuple(self.kv_lens)
         need = [math.ceil((s + n) / self.page_size) - len(p) for s, n, p in zip(start, seq, self.pages)]
@@ -283,7 +314,11 @@ class PagedKvState:
     def plan_for(self, num_qo_heads: int, num_kv_heads: int, head_dim: int) -> PrefillPagedPlan:
         """The step's plan for one head geometry (built once per step, shared by the layers using it)."""
         step = self._require_step()
-        key = (num_qo_heads, num_kv_heads, head_dim)
+        key = (
+            checked_i32("plan_for: num_qo_heads", num_qo_heads, minimum=1),
+            checked_i32("plan_for: num_kv_heads", num_kv_heads, minimum=1),
+            checked_i32("plan_for: head_dim", head_dim, minimum=1),
+        )
         if key not in self._plans:
             act = step.active
             kv = [step.start[i] + step.seq[i] for i in act]
@@ -294,9 +329,9 @@ class PagedKvState:
                 lasts,
                 [step.start[i] for i in act],
                 [step.seq[i] for i in act],
-                num_qo_heads=num_qo_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
+                num_qo_heads=key[0],
+                num_kv_heads=key[1],
+                head_dim=key[2],
                 page_size=self.page_size,
             )
             self.plans_built += 1
@@ -309,11 +344,11 @@ class PagedKvState:
 
     def _feed(self, what: str, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Check one layer's rows for this step (a layer is fed once per step: a second feed is an error).
-        Returns ``(pool group, plan, local layer)``, or None for a step without new rows (the layer is then
-        marked fed at once; otherwise the caller marks it with :meth:`_fed` when its ops returned)."""
+        Returns ``(layer, pool group, plan, local layer)`` (``layer`` as checked, a Python int), or None for a step
+        without new rows (the layer is then marked fed at once; otherwise the caller marks it with :meth:`_fed` when
+        its ops returned)."""
         step = self._require_step()
-        if not 0 <= layer < self.num_layers:
-            raise PagedWindowError(f"{what}: layer {layer} out of range [0, {self.num_layers})")
+        layer = self._layer(what, layer)
         if layer in self._attended:
             raise PagedWindowError(f"{what}: layer {layer} already attended in step {step.index} (double feed?)")
         hkv, d = self._layer_geom[layer]
@@ -330,7 +365,7 @@ class PagedKvState:
             return None
         self._materialize(k.dtype, k.device)
         group = self._group_of[layer]
-        return group, self.plan_for(int(q.shape[1]), hkv, d), group.local(layer)
+        return layer, group, self.plan_for(int(q.shape[1]), hkv, d), group.local(layer)
 
     def _fed(self, layer: int) -> None:
         self._attended.add(layer)
@@ -345,7 +380,7 @@ class PagedKvState:
         fed = self._feed("attend", layer, q, k, v)
         if fed is None:
             return q.new_empty(q.shape)
-        group, plan, local = fed
+        layer, group, plan, local = fed
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         attention = dict(sm_scale=sm_scale, window_left=window_left, backend=self.backend)
         check_batch_prefill_paged_window(q, group.pool, group.layout, local, plan, **attention)  # before any write
@@ -389,11 +424,11 @@ class PagedKvState:
             norm_style=norm_style,
             rope_position_factor=rope_position_factor,
         )
-        self._fed(layer)
+        self._fed(fed[0])
         return q
 
     def _prepare(self, fed, q_proj, k_proj, v_proj, **prep) -> torch.Tensor:
-        group, plan, local = fed
+        _, group, plan, local = fed
         q = prepare_paged_qkv(
             q_proj.contiguous(),
             k_proj.contiguous(),
@@ -431,7 +466,7 @@ class PagedKvState:
         fed = self._feed("prepare_and_attend", layer, q_proj, k_proj, v_proj)
         if fed is None:
             return q_proj.new_empty(q_proj.shape)
-        group, plan, local = fed
+        layer, group, plan, local = fed
         attention = dict(sm_scale=sm_scale, window_left=window_left, backend=self.backend)
         # The attention's checks before the prep writes: q_proj stands for the prepared q (the prep refuses a
         # q_proj of another shape, dtype or device than the q it returns, and the returned q is a fresh tensor).
@@ -455,12 +490,13 @@ class PagedKvState:
     def read_kv(self, layer: int, request: int, lo: int = 0, hi: int | None = None) -> tuple:
         """Copies of the K and V ``layer`` holds for ``request`` at positions ``lo .. hi - 1`` (``hi`` None: all
         it holds), each ``[hi - lo, Hkv, D]``, read from the pool slots (a slot nobody wrote reads NaN)."""
-        if not 0 <= layer < self.num_layers:
-            raise PagedWindowError(f"read_kv: layer {layer} out of range [0, {self.num_layers})")
+        layer = self._layer("read_kv", layer)
+        request = checked_int("read_kv: request", request)
         if not 0 <= request < self.batch_size:
             raise PagedWindowError(f"read_kv: request {request} out of range [0, {self.batch_size})")
         held = self.kv_lens[request]
-        hi = held if hi is None else hi
+        lo = checked_int("read_kv: lo", lo)
+        hi = held if hi is None else checked_int("read_kv: hi", hi)
         if not 0 <= lo <= hi <= held:
             raise PagedWindowError(f"read_kv: positions [{lo}, {hi}) are not within the {held} request {request} holds")
         group = self._group_of[layer]

@@ -304,6 +304,42 @@ def _refused(state, call, message):
         assert (a is None and b is None) or torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
+def test_a_pool_allocation_that_fails_leaves_the_state_as_it_was(monkeypatch):
+    """Growing the pools (a step needing more pages) and making them (the first feed) allocate every pool before
+    anything changes: out of memory on the second group's pool leaves pages, pools, free list and RNG as they were,
+    and the same call succeeds once memory is there."""
+    real = pw.PagedKvLayout.allocate
+    calls = []
+
+    def second_fails(layout, *args, **kwargs):
+        calls.append(layout)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("out of memory (simulated)")
+        return real(layout, *args, **kwargs)
+
+    state = _fed_state()
+    rng, pools = state._rng.getstate(), [state.pool(layer) for layer in range(state.num_layers)]
+    seen, _ = _snapshot(state)
+    monkeypatch.setattr(pw.PagedKvLayout, "allocate", second_fails)
+    more = [4 * 2 * state.num_pages, 0]  # twice the pages the pool holds: it must grow
+    with pytest.raises(torch.OutOfMemoryError):
+        state.begin_step(more)
+    assert _snapshot(state)[0] == seen and state._rng.getstate() == rng
+    assert all(state.pool(layer) is pool for layer, pool in enumerate(pools))
+    monkeypatch.setattr(pw.PagedKvLayout, "allocate", real)
+    assert state.begin_step(more).seq == tuple(more) and state.pool(0).shape[0] == state.num_pages
+
+    fresh = PagedKvState([(1, 8), (2, 8)], page_size=4, backend="reference")
+    fresh.reset(1)
+    fresh.begin_step([2])
+    calls.clear()
+    monkeypatch.setattr(pw.PagedKvLayout, "allocate", second_fails)
+    kv = torch.randn(2, 1, 8)
+    with pytest.raises(torch.OutOfMemoryError):
+        fresh.attend(0, torch.randn(2, 2, 8), kv, kv, sm_scale=1.0, window_left=-1)
+    assert fresh.dtype is None and fresh.pool(0) is None and fresh.pool(1) is None and not fresh.fed_layers
+
+
 _NOT_INTS = [(2.9, r"2\.9 \(float\)"), (2.0, r"2\.0 \(float\)"), (True, r"True \(bool\)"), ("2", r"'2' \(str\)")]
 _NOT_INTS += [(None, r"None \(NoneType\)")]
 

@@ -229,26 +229,33 @@ class PagedKvState:
 
     # ----------------------------------------------------------------------------------------------------------
     def _grow(self, need: int) -> None:
-        """Make at least ``need`` free pages available (new ids shuffled into the free list)."""
+        """Make at least ``need`` free pages available (new ids shuffled into the free list). The larger pools are
+        allocated before anything changes, so an allocation that fails (out of memory) leaves the state as it
+        was."""
         if len(self._free) >= need:
             return
         old = self.num_pages
         new = max(self._initial_pages, 2 * old, old + need - len(self._free))
+        pools = [] if self.dtype is None else self._pools(new, self.dtype, self.device)
         fresh = list(range(old, new))
         self._rng.shuffle(fresh)
         self._free = fresh + self._free
         self.num_pages = new
-        if self.dtype is not None:
-            for group in self._groups.values():
-                self._resize_pool(group)
+        for group, pool in pools:
+            group.pool = pool
 
-    def _resize_pool(self, group: _Group) -> None:
-        pool = group.layout.allocate(self.num_pages, self.dtype, self.device)
-        if self.poison:
-            pool.fill_(float("nan"))
-        if group.pool is not None:
-            pool[: group.pool.shape[0]].copy_(group.pool)
-        group.pool = pool
+    def _pools(self, num_pages: int, dtype, device) -> list[tuple[_Group, torch.Tensor]]:
+        """Per group, a pool of ``num_pages`` in ``dtype`` on ``device`` (NaN-poisoned when asked) holding the
+        group's current pool, if any, in its first pages; the groups keep their pools until the caller swaps."""
+        pools = []
+        for group in self._groups.values():
+            pool = group.layout.allocate(num_pages, dtype, device)
+            if self.poison:
+                pool.fill_(float("nan"))
+            if group.pool is not None:
+                pool[: group.pool.shape[0]].copy_(group.pool)
+            pools.append((group, pool))
+        return pools
 
     def _drop_pools(self) -> None:
         self.dtype = self.device = None
@@ -257,9 +264,10 @@ class PagedKvState:
 
     def _materialize(self, dtype: torch.dtype, device: torch.device) -> None:
         if self.dtype is None:
+            pools = self._pools(self.num_pages, dtype, device)  # every pool allocated before anything changes
             self.dtype, self.device = dtype, device
-            for group in self._groups.values():
-                self._resize_pool(group)
+            for group, pool in pools:
+                group.pool = pool
         elif (dtype, device) != (self.dtype, self.device):
             raise PagedWindowError(f"paged state holds {self.dtype} on {self.device}, got K/V in {dtype} on {device}")
 

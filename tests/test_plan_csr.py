@@ -1,7 +1,8 @@
 """PrefillPagedPlan.from_csr / update_csr: FlashInfer's CSR vocabulary in, the same plan as ``batch`` out.
 
 Every bad CSR input fails with PagedWindowError naming the value and changes nothing; a brute-force slot-ownership
-check decides which randomly shared page layouts are legal; ``from_dict`` refuses malformed dicts.
+check decides which randomly shared page layouts are legal; ``from_dict`` takes exactly what ``to_dict`` writes and
+refuses malformed dicts; every constructor refuses a bad ``device`` first.
 """
 
 import json
@@ -16,6 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagedwindow as pw
+from pagedwindow import plan as plan_module
+from pagedwindow import tiles
 from pagedwindow.errors import INT32_MAX
 from pagedwindow.plan import PLAN_BUFFER_MAX_ENTRIES, SUPPORTED_CTA_TILE_Q, PlanCapacity
 
@@ -242,6 +245,8 @@ BAD_CSR = [
     (dict(qo_indptr=[[0], [4, 7]]), "qo_indptr[0] must be an integer, got [0] (list)"),
     (dict(kv_indptr="023"), "kv_indptr must be a sequence of integers, got str"),
     (dict(kv_indptr=b"\x00\x02\x03"), "kv_indptr must be a sequence of integers, got bytes"),
+    (dict(kv_indices=bytearray([3, 1, 0])), "kv_indices must be a sequence of integers, got bytearray"),
+    (dict(last_page_len=memoryview(bytes([2, 3]))), "last_page_len must be a sequence of integers, got memoryview"),
     (dict(kv_indices=["3", "1", "0"]), "kv_indices[0] must be an integer, got '3' (str)"),
     (dict(last_page_len=None), "last_page_len must be a sequence of integers, got NoneType"),
     (dict(last_page_len=3), "last_page_len must be a sequence of integers, got int"),
@@ -622,6 +627,10 @@ BAD_DICTS = [
     (changed(["cta_tile_q"], 16.0), "cta_tile_q must be an integer, got 16.0 (float)"),
     (changed(["cta_tile_q"], 32), "cta_tile_q = 32 is not a supported tile"),
     (changed(["cta_tile_q"], [16]), "cta_tile_q must be an integer, got [16] (list)"),
+    (changed(["cta_tile_q"], drop=True), "from_dict: missing 'cta_tile_q' (the plan's fixed tile)"),
+    (changed(["cta_tile_q"], None), "from_dict: cta_tile_q must be an integer, got None (NoneType)"),
+    ({"capacity": CAPACITY}, "from_dict: missing 'cta_tile_q'"),
+    ({"capacity": CAPACITY, "cta_tile_q": None}, "from_dict: cta_tile_q must be an integer, got None (NoneType)"),
     (changed(["num_qo_heads"], "4"), "num_qo_heads must be an integer, got '4' (str)"),
     (changed(["num_kv_heads"], True), "num_kv_heads must be an integer, got True (bool)"),
     (changed(["head_dim"], None), "head_dim must be an integer, got None (NoneType)"),
@@ -649,6 +658,10 @@ BAD_DICTS = [
         "from_dict: the recorded 'derived' arrays disagree with the rebuilt plan",
     ),
     (changed(["derived"], "junk"), "from_dict: 'derived' must be a dict of named arrays, got str"),
+    (changed(["derived"], None), "from_dict: 'derived' must be a dict of named arrays, got NoneType"),
+    (changed(["derived"], drop=True), "from_dict: a filled plan needs every request key; missing ['derived']"),
+    (changed(["derived", 1], 0), "from_dict: 'derived' keys must be array names (str), got 1 (int)"),
+    (changed(["derived", None], []), "from_dict: 'derived' keys must be array names (str), got None (NoneType)"),
     (changed(["derived"], np.array([1, 2])), "from_dict: 'derived' must be a dict of named arrays, got ndarray"),
     (
         changed(["derived", "qo_indptr"], np.array(good_dict()["derived"]["qo_indptr"])),
@@ -705,6 +718,56 @@ def test_from_dict_huge_capacity_fails_fast_without_allocating(capacity, fragmen
         assert fragment in str(err.value) and str(err.value).startswith("from_dict: "), str(err.value)
         assert elapsed < 1.0, f"from_dict took {elapsed:.3f} s to refuse {capacity}"
     assert allocated == []
+
+
+H256 = dict(num_qo_heads=2, num_kv_heads=1, head_dim=256, page_size=4)
+CSR256 = ([0, 3, 5], [0, 1, 3], [7, 1, 2], [3, 2])  # the policy picks 16; its exact capacity alone would pick 64
+
+PLAN_KINDS = {
+    "from_csr": lambda: pw.PrefillPagedPlan.from_csr(*CSR256, **H256),
+    "batch": lambda: pw.PrefillPagedPlan.batch(**GOOD_REQUESTS, **HEADS),
+    "single": lambda: pw.PrefillPagedPlan.single(list(range(10, 30)), 16, 300, 20, **{**HEADS, "page_size": 16}),
+    "preallocated unfilled": lambda: pw.PrefillPagedPlan.preallocated(**CAPACITY),
+    "preallocated filled": filled_plan,
+    "preallocated at 128, filled": lambda: update_csr(  # the capacity's tile, not the batch's (16)
+        pw.PrefillPagedPlan.preallocated(max_total_tokens=1024, max_total_pages=8, max_batch=4, max_tiles=8)
+    ),
+    "explicit cta_tile_q": lambda: from_csr(cta_tile_q=128),
+}
+
+
+@pytest.mark.parametrize("kind", PLAN_KINDS)
+def test_from_dict_takes_what_to_dict_writes_for_every_plan_kind_and_keeps_the_tile(kind):
+    plan = PLAN_KINDS[kind]()
+    for data in (plan.to_dict(), json.loads(json.dumps(plan.to_dict()))):
+        rebuilt = pw.PrefillPagedPlan.from_dict(data)
+        assert rebuilt == plan and rebuilt.to_dict() == data
+        assert (rebuilt.cta_tile_q, rebuilt.filled, rebuilt.capacity) == (plan.cta_tile_q, plan.filled, plan.capacity)
+    data = plan.to_dict()
+    data["cta_tile_q"] = None  # never "ask the policy again": a plan's tile is fixed at creation
+    with pytest.raises(pw.PagedWindowError, match=r"^from_dict: cta_tile_q must be an integer, got None"):
+        pw.PrefillPagedPlan.from_dict(data)
+    del data["cta_tile_q"]
+    with pytest.raises(pw.PagedWindowError, match=r"^from_dict: missing 'cta_tile_q'"):
+        pw.PrefillPagedPlan.from_dict(data)
+
+
+def test_from_dict_keeps_the_plans_tile_whatever_a_policy_would_pick():
+    plan = PLAN_KINDS["from_csr"]()  # the batch's pick; the capacity's would be 64
+    cap = plan.capacity
+    assert plan.cta_tile_q == 16 and tiles.tile_for_capacity(cap.max_total_tokens, cap.max_batch)[0] == 64
+    assert pw.PrefillPagedPlan.from_dict(plan.to_dict()).cta_tile_q == 16
+    plan = PLAN_KINDS["preallocated at 128, filled"]()  # the capacity's pick; the batch's would be 16
+    assert plan.cta_tile_q == 128 and from_csr().cta_tile_q == 16
+    assert pw.PrefillPagedPlan.from_dict(plan.to_dict()).cta_tile_q == 128
+
+
+def test_from_dict_names_a_non_string_derived_key():
+    data = PLAN_KINDS["from_csr"]().to_dict()
+    data["derived"][1] = 0
+    with pytest.raises(pw.PagedWindowError) as err:
+        pw.PrefillPagedPlan.from_dict(data)
+    assert str(err.value) == "from_dict: 'derived' keys must be array names (str), got 1 (int)"
 
 
 def test_capacity_at_the_buffer_limit_is_accepted_and_one_past_refused():
@@ -904,3 +967,121 @@ def test_csr_tensors_past_int64_or_unreadable_are_refused_naming_them():
     negative_view = torch._neg_view(torch.tensor([0, -1]))  # reads as [0, 1]
     want = pw.PrefillPagedPlan.from_csr([0, 1], [0, 1], [0], [1], **heads)
     assert pw.PrefillPagedPlan.from_csr(negative_view, [0, 1], [0], [1], **heads) == want
+
+
+@pytest.mark.parametrize("buffer", [bytes, bytearray, memoryview], ids=lambda b: b.__name__)
+def test_byte_buffers_are_refused_alike(buffer):
+    """bytes, bytearray and memoryview are sequences of small ints to Python; none is read as integers."""
+    name = buffer.__name__
+
+    def raw(values):
+        return buffer(bytes(values))
+
+    with pytest.raises(pw.PagedWindowError) as err:  # a bytearray here was once read as page 7
+        pw.PrefillPagedPlan.from_csr([0, 1], [0, 1], raw([7]), [1], **HEADS)
+    assert str(err.value) == f"kv_indices must be a sequence of integers, got {name}"
+    cases = [
+        (dict(page_indices=[raw([3, 1]), [0]]), f"page_indices[0] must be a sequence of integers, got {name}"),
+        (dict(page_indices=raw([3, 0])), f"page_indices must be a sequence of per-request page lists, got {name}"),
+        (dict(seq_lens=raw([4, 3])), f"seq_lens must be a sequence of integers, got {name}"),
+        (dict(start_positions=raw([2, 0])), f"start_positions must be a sequence of integers, got {name}"),
+    ]
+    for overrides, message in cases:
+        with pytest.raises(pw.PagedWindowError) as err:
+            pw.PrefillPagedPlan.batch(**{**GOOD_REQUESTS, **overrides}, **HEADS)
+        assert str(err.value) == message
+        plan = filled_plan(cta_tile_q=16)
+        before = snapshot(plan)
+        with pytest.raises(pw.PagedWindowError) as err:
+            plan.update(**{**GOOD_REQUESTS, **overrides}, **HEADS)
+        assert str(err.value) == message
+        assert_unchanged(plan, before)
+    plan = filled_plan(cta_tile_q=16)
+    before = snapshot(plan)
+    with pytest.raises(pw.PagedWindowError) as err:
+        update_csr(plan, qo_indptr=raw([0, 4, 7]))
+    assert str(err.value) == f"qo_indptr must be a sequence of integers, got {name}"
+    assert_unchanged(plan, before)
+
+
+# -- the device argument ---------------------------------------------------------------------------------------
+
+CUDA_COUNT = torch.cuda.device_count()
+NO_CUDA = "requested but CUDA is not available"
+BAD_DEVICES = [
+    ("bogus", "device 'bogus' is not a device: give None, 'cpu', 'cuda', 'cuda:N', a CUDA index or a torch.device"),
+    ("cuda:x", "device 'cuda:x' is not a device"),
+    ("", "device '' is not a device"),
+    (1.5, "device 1.5 (float) is not a device"),
+    (True, "device True (bool) is not a device"),
+    (-1, "device -1 (int) is not a device"),
+    (["cpu"], "device ['cpu'] (list) is not a device"),
+    ("cuda:99", f"device 'cuda:99' {NO_CUDA}" if not CUDA_COUNT else f"only {CUDA_COUNT} CUDA device(s) are visible"),
+    (99, f"device 99 {NO_CUDA}" if not CUDA_COUNT else "device 99 requested but only"),
+    (torch.device("cuda", 99), "device 'cuda:99' requested but"),
+]
+if not CUDA_COUNT:
+    BAD_DEVICES += [
+        ("cuda", f"device 'cuda' {NO_CUDA}"),
+        ("cuda:0", f"device 'cuda:0' {NO_CUDA}"),
+        (7, f"device 7 {NO_CUDA}"),
+        (torch.device("cuda"), f"device 'cuda' {NO_CUDA}"),
+    ]
+
+CONSTRUCTORS = {
+    "from_csr": lambda device: from_csr(device=device),
+    "from_csr on tensors": lambda device: pw.PrefillPagedPlan.from_csr(
+        *(torch.tensor(GOOD[k]) for k in ("qo_indptr", "kv_indptr", "kv_indices", "last_page_len")),
+        **HEADS,
+        device=device,
+    ),
+    "batch": lambda device: pw.PrefillPagedPlan.batch(**GOOD_REQUESTS, **HEADS, device=device),
+    "single": lambda device: pw.PrefillPagedPlan.single([5], 1, 0, 1, **HEADS, device=device),
+    "preallocated": lambda device: pw.PrefillPagedPlan.preallocated(**CAPACITY, device=device),
+    "preallocated, explicit tile": lambda device: pw.PrefillPagedPlan.preallocated(
+        **CAPACITY, cta_tile_q=64, device=device
+    ),
+    "from_dict": lambda device: pw.PrefillPagedPlan.from_dict(good_dict(), device=device),
+    "from_dict unfilled": lambda device: pw.PrefillPagedPlan.from_dict(
+        {"capacity": CAPACITY, "cta_tile_q": 16}, device=device
+    ),
+}
+
+
+@pytest.mark.parametrize("constructor", CONSTRUCTORS)
+@pytest.mark.parametrize("device, fragment", BAD_DEVICES, ids=lambda v: repr(v) if not isinstance(v, str) else v)
+def test_every_constructor_refuses_a_bad_device_first(constructor, device, fragment, monkeypatch):
+    """A PagedWindowError naming the device (never a torch error, never blamed on a plan dict), before any device
+    buffer is made; the value is not remembered as checked."""
+    monkeypatch.setattr(plan_module, "_DeviceMirror", lambda *a: pytest.fail("made a device buffer"))
+    for _ in range(2):
+        with pytest.raises(pw.PagedWindowError) as err:
+            CONSTRUCTORS[constructor](device)
+        assert fragment in str(err.value) and "dict" not in str(err.value), str(err.value)
+    if isinstance(device, (str, torch.device)):
+        assert device not in plan_module._checked_devices
+
+
+@pytest.mark.parametrize("constructor", CONSTRUCTORS)
+@pytest.mark.parametrize("device", [None, "cpu", torch.device("cpu"), "cpu:0"], ids=repr)
+def test_every_constructor_takes_a_host_device(constructor, device):
+    plan = CONSTRUCTORS[constructor](device)
+    assert plan.device == (None if device is None else torch.device(device))
+    assert plan == CONSTRUCTORS[constructor](None)
+
+
+def test_a_checked_device_is_remembered_and_the_memory_is_bounded(monkeypatch):
+    """A serving loop's repeated device costs one dict lookup: no parse, no CUDA query."""
+    monkeypatch.setattr(plan_module, "_checked_devices", {})
+    assert plan_module._checked_device(None) is None
+    cpu = plan_module._checked_device("cpu")
+    assert cpu == torch.device("cpu") and plan_module._checked_device(cpu) is cpu
+    monkeypatch.setattr(plan_module, "_as_device", lambda device: pytest.fail(f"parsed {device!r} again"))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: pytest.fail("asked CUDA again"))
+    for _ in range(3):
+        assert plan_module._checked_device("cpu") is cpu and plan_module._checked_device(cpu) is cpu
+    monkeypatch.undo()
+    monkeypatch.setattr(plan_module, "_checked_devices", {})
+    for i in range(3 * plan_module._DEVICE_CACHE_LIMIT):
+        assert plan_module._checked_device(f"cpu:{i}") == torch.device("cpu", i)
+    assert len(plan_module._checked_devices) == plan_module._DEVICE_CACHE_LIMIT

@@ -169,7 +169,7 @@ def test_as_device_parses_as_torch_does(spelling):
 def test_as_device_refuses_a_bad_string_every_time_and_stays_bounded(monkeypatch):
     monkeypatch.setattr(plan_module, "_parsed_devices", {})
     for _ in range(2):
-        with pytest.raises(RuntimeError):
+        with pytest.raises(pw.PagedWindowError, match="device 'gpu:x' is not a device"):
             plan_module._as_device("gpu:x")
     assert "gpu:x" not in plan_module._parsed_devices
     for i in range(3 * plan_module._DEVICE_CACHE_LIMIT):

@@ -10,6 +10,9 @@ import torch
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
+BYTE_BUFFERS = (bytes, bytearray, memoryview)
+"""Byte buffers: sequences of raw bytes, which ``int_array`` refuses alike (never read as integer sequences)."""
+_NOT_INT_SEQUENCES = (str, *BYTE_BUFFERS)
 
 
 class PagedWindowError(ValueError):
@@ -44,8 +47,9 @@ def checked_i64(what: str, value) -> int:
 
 def int_array(what: str, values) -> np.ndarray:
     """A 1-D integer numpy array (its own integer dtype) from an integer torch tensor (any device), a numpy array
-    or a sequence of ints. Refuses bools, floats, nested or ragged input and values past int64, naming ``what``
-    and the first offending index. A tensor or array may be shared, not copied: callers copy what they keep."""
+    or a sequence of ints. Refuses bools, floats, nested or ragged input, strings, byte buffers (``BYTE_BUFFERS``)
+    and values past int64, naming ``what`` and the first offending index. A tensor or array may be shared, not
+    copied: callers copy what they keep."""
     if isinstance(values, torch.Tensor):
         try:
             array = values.numpy()  # the common case: a CPU integer tensor that does not require grad
@@ -72,7 +76,7 @@ def int_array(what: str, values) -> np.ndarray:
         if values.dtype == np.uint64 and len(values) and int(values.max()) > INT64_MAX:
             raise PagedWindowError(f"{what} holds integers past int64 (bound {INT64_MAX})")
         return values
-    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+    if isinstance(values, _NOT_INT_SEQUENCES) or not isinstance(values, Sequence):
         raise PagedWindowError(f"{what} must be a sequence of integers, got {type(values).__name__}")
     if len(values) == 0:
         return np.zeros(0, dtype=np.int64)

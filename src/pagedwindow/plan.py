@@ -62,7 +62,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .errors import INT32_MAX, PagedWindowError, checked_i32, checked_i32_array, int_array
+from .errors import BYTE_BUFFERS, INT32_MAX, PagedWindowError, checked_i32, checked_i32_array, int_array
 from .tiles import (
     SPLIT_KV_TILE,
     SPLIT_KV_UNITS_PER_SM,
@@ -815,8 +815,13 @@ def _derived_form(derived) -> dict:
         shown = type(v).__name__
         raise PagedWindowError(f"from_dict: 'derived' values must be integers or lists of integers, got {shown}")
 
-    if not isinstance(derived, Mapping) or not all(isinstance(k, str) for k in derived):
+    if not isinstance(derived, Mapping):
         raise PagedWindowError(f"from_dict: 'derived' must be a dict of named arrays, got {type(derived).__name__}")
+    for k in derived:
+        if not isinstance(k, str):
+            raise PagedWindowError(
+                f"from_dict: 'derived' keys must be array names (str), got {k!r} ({type(k).__name__})"
+            )
     return {k: plain(v) for k, v in derived.items()}
 
 
@@ -827,7 +832,7 @@ def _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, 
     if batch == 0:
         raise PagedWindowError("a plan needs at least one request; seq_lens is empty")
     if (
-        isinstance(page_indices, (str, bytes))
+        isinstance(page_indices, (str, *BYTE_BUFFERS))
         or not isinstance(page_indices, (Sequence, np.ndarray))
         or (isinstance(page_indices, np.ndarray) and page_indices.ndim == 0)
     ):
@@ -1172,23 +1177,62 @@ def _destroy_events(lib, handles: np.ndarray) -> None:
 
 
 _parsed_devices: dict[str, torch.device] = {}
+_checked_devices: dict[str | torch.device, torch.device] = {}
 _indexed_cuda_devices: dict[int, torch.device] = {}
 _DEVICE_CACHE_LIMIT = 64
 
 
 def _as_device(device) -> torch.device | None:
-    """``torch.device(device)``, None for None; a device string is parsed once (a parse is pure), a device is
-    itself (devices are immutable)."""
+    """``torch.device(device)``, None for None, a CUDA device for a non-negative int; a device string is parsed once
+    (a parse is pure), a device is itself (devices are immutable). A value that names no device raises
+    PagedWindowError (and is not remembered)."""
     if device is None or isinstance(device, torch.device):
         return device
     if type(device) is str:
         found = _parsed_devices.get(device)
         if found is None:
-            found = torch.device(device)
+            found = _parse_device(device)
             if len(_parsed_devices) < _DEVICE_CACHE_LIMIT:
                 _parsed_devices[device] = found
         return found
-    return torch.device(device)
+    return _parse_device(device)
+
+
+def _parse_device(device) -> torch.device:
+    if type(device) is int and device >= 0:  # torch's reading on a CUDA host (a bool is no index)
+        return torch.device("cuda", device)
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        shown = repr(device) if type(device) is str else f"{device!r} ({type(device).__name__})"
+        raise PagedWindowError(
+            f"device {shown} is not a device: give None, 'cpu', 'cuda', 'cuda:N', a CUDA index or a torch.device"
+        ) from None
+
+
+def _checked_device(device) -> torch.device | None:
+    """The ``device`` argument of every public constructor, checked before anything else: None, or the
+    torch.device it names. Raises PagedWindowError for a value that names no device, and for a CUDA device where
+    CUDA is not available or past the visible devices. A string or torch.device that passed is remembered (up to
+    ``_DEVICE_CACHE_LIMIT`` of them): a serving loop's repeated device costs one lookup."""
+    try:
+        found = _checked_devices.get(device)  # the hot case: a device checked before
+    except TypeError:  # unhashable: no device, refused below
+        found = None
+    if found is not None or device is None:
+        return found
+    found = _as_device(device)
+    assert found is not None
+    if found.type == "cuda":
+        count = torch.cuda.device_count()
+        shown = repr(str(device) if isinstance(device, torch.device) else device)
+        if count == 0:
+            raise PagedWindowError(f"device {shown} requested but CUDA is not available")
+        if found.index is not None and found.index >= count:
+            raise PagedWindowError(f"device {shown} requested but only {count} CUDA device(s) are visible")
+    if (type(device) is str or type(device) is torch.device) and len(_checked_devices) < _DEVICE_CACHE_LIMIT:
+        _checked_devices[device] = found  # never an int: 1 == True == 1.0 would share an entry
+    return found
 
 
 def _cuda_device(device) -> torch.device | None:
@@ -1230,7 +1274,9 @@ class PrefillPagedPlan:
 
     Build with :meth:`from_csr` (FlashInfer's CSR arrays), :meth:`batch` / :meth:`single` (per-request lists), or
     :meth:`preallocated` then :meth:`update_csr` / :meth:`update`. Array properties return copies; the device
-    buffer the kernels read (:meth:`device_buffer`) is only ever filled from validated state.
+    buffer the kernels read (:meth:`device_buffer`) is only ever filled from validated state. Every constructor
+    checks its ``device`` first (:func:`_checked_device`): a value naming no device, or a CUDA device this process
+    cannot use, raises PagedWindowError.
     """
 
     def __init__(self, capacity: PlanCapacity, *, cta_tile_q: int | None, tile_reason: str = "explicit", device=None):
@@ -1269,7 +1315,11 @@ class PrefillPagedPlan:
         or lists): ``qo_indptr [batch+1]``, ``kv_indptr [batch+1]``, ``kv_indices [>= kv_indptr[-1]]`` (page ids),
         ``last_page_len [batch]``. ``device`` (default: the device of any CUDA input) is the GPU the plan is for:
         it decides the default tile and receives the plan's buffer now."""
-        device = device if device is not None else _device_of(qo_indptr, kv_indptr, kv_indices, last_page_len)
+        device = (
+            _checked_device(device)
+            if device is not None
+            else _device_of(qo_indptr, kv_indptr, kv_indices, last_page_len)
+        )
         heads = _Heads.checked(num_qo_heads, num_kv_heads, head_dim, page_size)
         tile = None if cta_tile_q is None else _check_tile(cta_tile_q)
         given = (qo_indptr, kv_indptr, kv_indices, last_page_len)
@@ -1294,6 +1344,8 @@ class PrefillPagedPlan:
     ) -> PrefillPagedPlan:
         """A plan sized exactly for these requests: ``page_indices[i]`` (a list, array or tensor) covers exactly
         ``start_positions[i] + seq_lens[i]`` keys and ``last_page_lens[i]`` is its last page's fill."""
+        if device is not None:
+            device = _checked_device(device)
         heads = _Heads.checked(num_qo_heads, num_kv_heads, head_dim, page_size)
         tile = None if cta_tile_q is None else _check_tile(cta_tile_q)
         arrays = _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, heads.page_size)
@@ -1319,6 +1371,8 @@ class PrefillPagedPlan:
     ) -> PrefillPagedPlan:
         """An empty plan with fixed capacity and a fixed tile (``cta_tile_q``, else the policy's pick for this
         capacity on ``device``); fill it with :meth:`update_csr` or :meth:`update`. Device arrays never move."""
+        if device is not None:
+            device = _checked_device(device)
         capacity = PlanCapacity.checked("", max_total_tokens, max_total_pages, max_batch, max_tiles)
         if cta_tile_q is None:
             tile, reason = tile_for_capacity(capacity.max_total_tokens, capacity.max_batch, device)
@@ -1627,9 +1681,12 @@ class PrefillPagedPlan:
 
     @classmethod
     def from_dict(cls, data, *, device=None) -> PrefillPagedPlan:
-        """Rebuild a plan from :meth:`to_dict`, re-validating everything (a trust boundary): unknown or missing
-        keys, wrong types and oversized capacities raise PagedWindowError naming the key, before anything is
-        allocated; recorded derived arrays must agree with the rebuilt plan."""
+        """Rebuild a plan from :meth:`to_dict`, re-validating everything (a trust boundary). It takes exactly what
+        ``to_dict`` writes: 'capacity' and 'cta_tile_q' (the plan's fixed tile, an int: kept, never re-picked),
+        and for a filled plan every request key and 'derived', which must agree with the rebuilt plan. Unknown or
+        missing keys, wrong types (None included) and oversized capacities raise PagedWindowError naming the key,
+        before anything is allocated. ``device`` is checked first, as by every constructor."""
+        device = _checked_device(device)
         if not isinstance(data, Mapping):
             raise PagedWindowError(f"from_dict: expected a dict, got {type(data).__name__}")
         known = {"capacity", "cta_tile_q", "derived", *cls._REQUEST_KEYS}
@@ -1646,15 +1703,19 @@ class PrefillPagedPlan:
             raise PagedWindowError(
                 f"from_dict: 'capacity' has keys {sorted(map(str, capacity))}; expected {sorted(cls._CAPACITY_KEYS)}"
             )
-        present = [k for k in cls._REQUEST_KEYS if k in data]
-        if present and len(present) != len(cls._REQUEST_KEYS):
-            missing = [k for k in cls._REQUEST_KEYS if k not in data]
-            raise PagedWindowError(f"from_dict: a filled plan needs every request key; missing {missing}")
-        if "derived" in data and not present:
+        if "cta_tile_q" not in data:
+            raise PagedWindowError("from_dict: missing 'cta_tile_q' (the plan's fixed tile)")
+        present = any(k in data for k in cls._REQUEST_KEYS)
+        if present:
+            missing = [k for k in (*cls._REQUEST_KEYS, "derived") if k not in data]
+            if missing:
+                raise PagedWindowError(f"from_dict: a filled plan needs every request key; missing {missing}")
+            recorded = _derived_form(data["derived"])
+        elif "derived" in data:
             raise PagedWindowError("from_dict: 'derived' arrays given for a plan with no requests")
-        tile = data.get("cta_tile_q")
         try:
             checked = PlanCapacity.checked("capacity.", *(capacity[k] for k in cls._CAPACITY_KEYS))
+            tile = _check_tile(data["cta_tile_q"])  # never None: that would ask the policy again
             plan = cls.preallocated(
                 **{k: getattr(checked, k) for k in cls._CAPACITY_KEYS}, cta_tile_q=tile, device=device
             )
@@ -1674,8 +1735,7 @@ class PrefillPagedPlan:
             raise PagedWindowError(f"from_dict: {exc}") from None
         except (TypeError, ValueError, KeyError, OverflowError, AttributeError) as exc:
             raise PagedWindowError(f"from_dict: malformed plan dict ({type(exc).__name__}: {exc})") from None
-        derived = data.get("derived")
-        if derived is not None and _derived_form(derived) != plan.to_dict()["derived"]:
+        if recorded != plan.to_dict()["derived"]:
             raise PagedWindowError("from_dict: the recorded 'derived' arrays disagree with the rebuilt plan")
         return plan
 

@@ -430,6 +430,26 @@ def test_inference_tensors_are_written_only_inside_inference_mode(case):
     assert torch.equal(prefill_call(case, pool=pool)(), prefill_call(case, pool=expected.clone())())
 
 
+def prep(case, *, q=None, pool=None, q_norm_weight=None, out_q=None):
+    """``prepare_paged_qkv`` on the case (gemma4, unit weights unless given)."""
+    ones = torch.ones(D)
+    return pw.prepare_paged_qkv(
+        case.q if q is None else q,
+        case.k,
+        case.v,
+        case.pool if pool is None else pool,
+        case.layout,
+        case.layer,
+        case.plan,
+        q_norm_weight=ones if q_norm_weight is None else q_norm_weight,
+        k_norm_weight=ones,
+        eps=1e-6,
+        rope_theta=10000.0,
+        norm_style="gemma4",
+        out_q=out_q,
+    )
+
+
 def _quiet(make):
     """``make`` with the prototype / beta warnings of nested and sparse CSR tensors silenced."""
 
@@ -460,25 +480,8 @@ def test_nested_and_sparse_tensors_are_refused_in_every_slot(case, make, kind):
     pool = case.pool.clone()
     k = make(case.k)
     expect_refusal(lambda: pw.append_paged_kv(k, case.v, pool, case.layout, case.layer, case.plan), "k ", pool)
-    ones = torch.ones(D)
-    expect_refusal(
-        lambda: pw.prepare_paged_qkv(
-            case.q,
-            case.k,
-            case.v,
-            pool,
-            case.layout,
-            case.layer,
-            case.plan,
-            q_norm_weight=make(torch.ones(2, D // 2)) if kind.endswith("csr") else make(ones),
-            k_norm_weight=ones,
-            eps=1e-6,
-            rope_theta=10000.0,
-            norm_style="gemma4",
-        ),
-        "q_norm_weight ",
-        pool,
-    )
+    weight = make(torch.ones(2, D // 2) if kind.endswith("csr") else torch.ones(D))  # CSR needs two dimensions
+    expect_refusal(lambda: prep(case, pool=pool, q_norm_weight=weight), "q_norm_weight ", pool)
 
 
 def test_a_meta_pool_is_refused_before_any_tensor_check(case):
@@ -505,31 +508,16 @@ def test_under_torch_compile_the_reference_refuses_overlap_and_inference_outputs
     def append(k, pool):
         pw.append_paged_kv(k, case.v, pool, case.layout, case.layer, case.plan)
 
-    def prep(q, out_q):
-        ones = torch.ones(D)
-        return pw.prepare_paged_qkv(
-            q,
-            case.k,
-            case.v,
-            case.pool,
-            case.layout,
-            case.layer,
-            case.plan,
-            q_norm_weight=ones,
-            k_norm_weight=ones,
-            eps=1e-6,
-            rope_theta=10000.0,
-            norm_style="gemma4",
-            out_q=out_q,
-        )
+    def prep_into(q, out_q):
+        return prep(case, q=q, out_q=out_q)
 
-    compiled = {fn: torch.compile(fn, backend="eager") for fn in (prefill, append, prep)}
+    compiled = {fn: torch.compile(fn, backend="eager") for fn in (prefill, append, prep_into)}
     q = case.q.clone()
     expect_refusal(lambda: compiled[prefill](q, q), "batch_prefill_paged_window: out overlaps q", q, case.pool)
     pool = case.pool.clone()
     k_in_pool = pool.view(-1)[: case.k.numel()].view(case.k.shape)
     expect_refusal(lambda: compiled[append](k_in_pool, pool), "append_paged_kv: pool overlaps k", pool)
-    expect_refusal(lambda: compiled[prep](q, q), "prepare_paged_qkv: out_q overlaps q", q, case.pool)
+    expect_refusal(lambda: compiled[prep_into](q, q), "prepare_paged_qkv: out_q overlaps q", q, case.pool)
     with torch.inference_mode():
         out = torch.zeros(case.q.shape)
     expect_refusal(lambda: compiled[prefill](case.q, out), "out was made under torch.inference_mode()", out)

@@ -1062,6 +1062,23 @@ def test_every_constructor_refuses_a_bad_device_first(constructor, device, fragm
         assert device not in plan_module._checked_devices
 
 
+@pytest.mark.parametrize("device, fragment", BAD_DEVICES, ids=lambda v: repr(v) if not isinstance(v, str) else v)
+def test_the_device_buffer_and_the_workspace_refuse_a_bad_device(device, fragment, monkeypatch):
+    """``device_buffer`` / ``device_arrays`` / ``split_kv_workspace`` name a bad device as the constructors do
+    (a tile-16 plan, which owns a workspace on a GPU), and make nothing."""
+    monkeypatch.setattr(plan_module, "_DeviceMirror", lambda *a: pytest.fail("made a device buffer"))
+    plan = from_csr()
+    assert plan.cta_tile_q == 16
+    for method in (plan.device_buffer, plan.device_arrays, plan.split_kv_workspace):
+        with pytest.raises(pw.PagedWindowError) as err:
+            method(device)
+        assert fragment in str(err.value), str(err.value)
+    with pytest.raises(pw.PagedWindowError, match="device_buffer: a device is required"):
+        plan.device_buffer(None)
+    assert torch.equal(plan.device_buffer("cpu"), plan.device_buffer(torch.device("cpu")))
+    assert plan.split_kv_workspace("cpu") is None
+
+
 @pytest.mark.parametrize("constructor", CONSTRUCTORS)
 @pytest.mark.parametrize("device", [None, "cpu", torch.device("cpu"), "cpu:0"], ids=repr)
 def test_every_constructor_takes_a_host_device(constructor, device):

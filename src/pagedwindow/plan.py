@@ -1474,9 +1474,9 @@ class PrefillPagedPlan:
         (the counters above all) corrupts the plan's next launches."""
         if not _split_kv_unit_floats(self._require()):
             return None
-        mirror = self._mirrors.get(device)
+        mirror = self._mirror_for(device)
         if mirror is None:
-            cuda_device = _cuda_device(device)
+            cuda_device = _cuda_device(_checked_device(device))
             if cuda_device is None:
                 return None
             mirror = self._mirror(cuda_device)
@@ -1486,10 +1486,12 @@ class PrefillPagedPlan:
         """The whole int32 plan buffer on ``device`` at capacity (segments at ``capacity.segment_offsets()`` in
         :class:`PlanArrays` order). On a GPU: uploaded on first use and at every update, at a fixed address. On
         the CPU: a fresh copy."""
-        mirror = self._mirrors.get(device)  # the launch path: a tensor's device, already indexed
+        mirror = self._mirror_for(device)  # the launch path: a tensor's device, already indexed
         if mirror is not None:
             return mirror.buffer
-        device = torch.device(device)
+        device = _checked_device(device)
+        if device is None:
+            raise PagedWindowError("device_buffer: a device is required (the buffer is made on it)")
         if device.type == "cuda":
             cuda_device = _cuda_device(device)
             assert cuda_device is not None  # a CUDA device
@@ -1498,6 +1500,13 @@ class PrefillPagedPlan:
         if self._state is not None:
             _scatter_live(self._state, self.capacity, buffer.numpy())
         return buffer
+
+    def _mirror_for(self, device) -> _DeviceMirror | None:
+        """The plan's mirror on ``device`` if it has one (any value: one that names no device has none)."""
+        try:
+            return self._mirrors.get(device)
+        except TypeError:  # unhashable: no device, named by the caller's check
+            return None
 
     def device_arrays(self, device) -> PlanArrays:
         """Capacity-sized views of :meth:`device_buffer`."""

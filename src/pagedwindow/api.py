@@ -31,7 +31,7 @@ from types import ModuleType
 import torch
 
 from . import reference
-from .errors import PagedWindowError
+from .errors import PagedWindowError, check_dense_tensor
 from .gemma_prep import (
     MAX_HEAD_DIM,
     check_norm_style,
@@ -185,7 +185,7 @@ def _check_rows(what: str, name: str, t, shape: tuple[int, ...], dtype: torch.dt
                 return
         except RuntimeError:  # a nested or sparse tensor: no sizes or strides to read
             pass
-    _check_dense(what, name, t)
+    check_dense_tensor(what, name, t)
     rows, tail = shape[0], tuple(shape[1:])
     got = t.shape
     if len(got) != 1 + len(tail) or tuple(got[1:]) != tail:
@@ -198,16 +198,6 @@ def _check_rows(what: str, name: str, t, shape: tuple[int, ...], dtype: torch.dt
         raise PagedWindowError(f"{what}: {name} is on {t.device} but the pool is on {device}")
     if not t.is_contiguous():
         raise PagedWindowError(f"{what}: {name} must be contiguous (strides {t.stride()})")
-
-
-def _check_dense(what: str, name: str, t) -> None:
-    """``t`` is a tensor with sizes and strides: not a nested or sparse one, whose shape or contiguity cannot be
-    read the usual way."""
-    if not isinstance(t, torch.Tensor):
-        raise PagedWindowError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.is_nested or t.layout is not torch.strided:
-        kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
-        raise PagedWindowError(f"{what}: {name} must be a dense (strided) tensor, got {kind}")
 
 
 def _check_writable(what: str, name: str, t: torch.Tensor, compiling: bool) -> None:
@@ -446,7 +436,7 @@ def _check_norm_weight(what: str, name: str, w, head_dim: int, dtype: torch.dtyp
             return
     except RuntimeError:  # a nested or sparse tensor: no sizes or strides to read
         pass
-    _check_dense(what, name, w)
+    check_dense_tensor(what, name, w)
     if tuple(w.shape) != (head_dim,):
         raise PagedWindowError(f"{what}: {name} shape {tuple(w.shape)} must be [{head_dim}] (head_dim)")
     if w.dtype not in (dtype, torch.float32):

@@ -1,4 +1,5 @@
-"""The one error family and the checked integer narrowing every int32 value goes through."""
+"""The one error family, the checked integer narrowing every int32 value goes through, and the check that a
+tensor argument is a dense one."""
 
 from __future__ import annotations
 
@@ -17,6 +18,16 @@ _NOT_INT_SEQUENCES = (str, *BYTE_BUFFERS)
 
 class PagedWindowError(ValueError):
     """A contract of pagedwindow was violated. Raised before anything is written or launched."""
+
+
+def check_dense_tensor(what: str, name: str, t) -> None:
+    """``t`` is a torch.Tensor with sizes and strides: not a nested or sparse one, whose shape or contiguity cannot
+    be read the usual way. Errors read ``"{what}: {name} must be ..."``."""
+    if not isinstance(t, torch.Tensor):
+        raise PagedWindowError(f"{what}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.is_nested or t.layout is not torch.strided:
+        kind = "a nested tensor" if t.is_nested else f"layout {t.layout}"
+        raise PagedWindowError(f"{what}: {name} must be a dense (strided) tensor, got {kind}")
 
 
 def checked_int(what: str, value, *, minimum: int | None = None) -> int:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import PagedWindowError, checked_i32, checked_i64, checked_int
+from .errors import PagedWindowError, check_dense_tensor, checked_i32, checked_i64, checked_int
 
 POOL_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 
@@ -91,11 +91,7 @@ def checked_paged_geometry(
         raise PagedWindowError(
             f"{what}: num_kv_heads {num_kv_heads} disagrees with layout.num_kv_heads {layout.num_kv_heads}"
         )
-    if not isinstance(pool, torch.Tensor):
-        raise PagedWindowError(f"{what}: pool must be a torch.Tensor, got {type(pool).__name__}")
-    if pool.is_nested or pool.layout is not torch.strided:
-        kind = "a nested tensor" if pool.is_nested else f"layout {pool.layout}"
-        raise PagedWindowError(f"{what}: pool must be a dense (strided) tensor, got {kind}")
+    check_dense_tensor(what, "pool", pool)
     if pool.dtype not in POOL_DTYPES:
         raise PagedWindowError(f"{what}: pool dtype {pool.dtype} is not one of {POOL_DTYPES}")
     if pool.dim() != 6 or tuple(pool.shape[1:]) != layout.pool_shape(0)[1:]:

@@ -1176,29 +1176,17 @@ def _destroy_events(lib, handles: np.ndarray) -> None:
     lib.pw_plan_events_destroy(handles.ctypes.data, len(handles))
 
 
-_parsed_devices: dict[str, torch.device] = {}
 _checked_devices: dict[str | torch.device, torch.device] = {}
 _indexed_cuda_devices: dict[int, torch.device] = {}
 _DEVICE_CACHE_LIMIT = 64
 
 
 def _as_device(device) -> torch.device | None:
-    """``torch.device(device)``, None for None, a CUDA device for a non-negative int; a device string is parsed once
-    (a parse is pure), a device is itself (devices are immutable). A value that names no device raises
-    PagedWindowError (and is not remembered)."""
+    """``torch.device(device)``: None for None, a device itself (devices are immutable), a CUDA device for a
+    non-negative int. A value that names no device raises PagedWindowError. Parsing is not cached here: the
+    public entry points go through :func:`_checked_device`, which remembers what passed."""
     if device is None or isinstance(device, torch.device):
         return device
-    if type(device) is str:
-        found = _parsed_devices.get(device)
-        if found is None:
-            found = _parse_device(device)
-            if len(_parsed_devices) < _DEVICE_CACHE_LIMIT:
-                _parsed_devices[device] = found
-        return found
-    return _parse_device(device)
-
-
-def _parse_device(device) -> torch.device:
     if type(device) is int and device >= 0:  # torch's reading on a CUDA host (a bool is no index)
         return torch.device("cuda", device)
     try:
@@ -1215,14 +1203,16 @@ def _checked_device(device) -> torch.device | None:
     torch.device it names. Raises PagedWindowError for a value that names no device, and for a CUDA device where
     CUDA is not available or past the visible devices. A string or torch.device that passed is remembered (up to
     ``_DEVICE_CACHE_LIMIT`` of them): a serving loop's repeated device costs one lookup."""
+    if device is None:  # the serving loop's usual case: the plan's device comes from its tensors
+        return None
     try:
         found = _checked_devices.get(device)  # the hot case: a device checked before
     except TypeError:  # unhashable: no device, refused below
         found = None
-    if found is not None or device is None:
+    if found is not None:
         return found
     found = _as_device(device)
-    assert found is not None
+    assert found is not None  # device is not None
     if found.type == "cuda":
         count = torch.cuda.device_count()
         shown = repr(str(device) if isinstance(device, torch.device) else device)
@@ -1315,11 +1305,7 @@ class PrefillPagedPlan:
         or lists): ``qo_indptr [batch+1]``, ``kv_indptr [batch+1]``, ``kv_indices [>= kv_indptr[-1]]`` (page ids),
         ``last_page_len [batch]``. ``device`` (default: the device of any CUDA input) is the GPU the plan is for:
         it decides the default tile and receives the plan's buffer now."""
-        device = (
-            _checked_device(device)
-            if device is not None
-            else _device_of(qo_indptr, kv_indptr, kv_indices, last_page_len)
-        )
+        device = _checked_device(device) or _device_of(qo_indptr, kv_indptr, kv_indices, last_page_len)
         heads = _Heads.checked(num_qo_heads, num_kv_heads, head_dim, page_size)
         tile = None if cta_tile_q is None else _check_tile(cta_tile_q)
         given = (qo_indptr, kv_indptr, kv_indices, last_page_len)
@@ -1344,8 +1330,7 @@ class PrefillPagedPlan:
     ) -> PrefillPagedPlan:
         """A plan sized exactly for these requests: ``page_indices[i]`` (a list, array or tensor) covers exactly
         ``start_positions[i] + seq_lens[i]`` keys and ``last_page_lens[i]`` is its last page's fill."""
-        if device is not None:
-            device = _checked_device(device)
+        device = _checked_device(device)
         heads = _Heads.checked(num_qo_heads, num_kv_heads, head_dim, page_size)
         tile = None if cta_tile_q is None else _check_tile(cta_tile_q)
         arrays = _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, heads.page_size)
@@ -1371,8 +1356,7 @@ class PrefillPagedPlan:
     ) -> PrefillPagedPlan:
         """An empty plan with fixed capacity and a fixed tile (``cta_tile_q``, else the policy's pick for this
         capacity on ``device``); fill it with :meth:`update_csr` or :meth:`update`. Device arrays never move."""
-        if device is not None:
-            device = _checked_device(device)
+        device = _checked_device(device)
         capacity = PlanCapacity.checked("", max_total_tokens, max_total_pages, max_batch, max_tiles)
         if cta_tile_q is None:
             tile, reason = tile_for_capacity(capacity.max_total_tokens, capacity.max_batch, device)

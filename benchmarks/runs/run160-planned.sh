@@ -3,6 +3,7 @@
 #   rm -rf ab && mkdir -p ab/new && git archive HEAD | tar -x -C ab/new
 #   (cd ab/new && patch -p1 < ../../benchmarks/patches/decode-merge-grid-multi-row-tiles.patch)
 #   device call: bash benchmarks/runs/run160-planned.sh, carrying .whl/peer-site.tar.xz
+#   (on a short budget: LIMIT=<seconds> SUITE_S=<seconds per suite part>; results are tarred after each stage)
 # One call. On an H200: the closing set of issues 13 and 11 on main's tree (the whole GPU suite with memcheck and
 # racecheck beside it, the prep bars, the default-plan bench against fa2/fa3, the decode sweep against fa2/fa3).
 # On an H100: tiles of more than 2 rows merged by the merge grid (benchmarks/patches/
@@ -15,6 +16,7 @@ trap 'tar -czf $OUT/all.tar.gz -C $OUT r' EXIT
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 PAGEDWINDOW_REQUIRE_GPU=1 PAGEDWINDOW_CACHE_DIR=/tmp/pwc
 T0=$(date +%s)
 LIMIT=${LIMIT:-585}
+SUITE_S=${SUITE_S:-300}  # seconds each suite part may take on the H200 (lower it with LIMIT on a short budget)
 ROOT=$PWD
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
 stamp() { echo "$1 done at $(( $(date +%s) - T0 ))s" | tee -a $R/times.txt; tar -czf $OUT/all.tar.gz -C $OUT r; }
@@ -48,13 +50,13 @@ suite_summary() {
   grep -h "^FAILED" $R/suite-*.txt | head -8; tail -n 2 $R/memcheck.txt $R/racecheck.txt
 }
 if grep -q H200 $R/gpu.txt; then
-  ( PYTHONPATH=$PYTHONPATH:$SITE PAGEDWINDOW_CACHE_DIR=/tmp/pwc-warm timeout 400 python3 -m pagedwindow.cli bench --quick \
+  ( PYTHONPATH=$PYTHONPATH:$SITE PAGEDWINDOW_CACHE_DIR=/tmp/pwc-warm timeout $(( SUITE_S + 100 )) python3 -m pagedwindow.cli bench --quick \
      --systems flashinfer_fa2 flashinfer_fa3 --workloads chunk_2048_on_6144 decode_64x4096 decode_b1_kv32768_w-1 --out /tmp/warm > $R/fi-warm.txt 2>&1
     PYTHONPATH=$PYTHONPATH:$SITE PAGEDWINDOW_CACHE_DIR=/tmp/pwc-warm timeout 300 python3 -m pagedwindow.cli bench --prep \
      --quick --systems flashinfer --workloads prep_decode_64x1 --out /tmp/warm >> $R/fi-warm.txt 2>&1
     echo "warm rc $? at $(( $(date +%s) - T0 ))s" >> $R/fi-warm.txt ) &
   WARM=$!
-  suite $ROOT 300
+  suite $ROOT $SUITE_S
   for j in $(jobs -p); do [ "$j" = "$WARM" ] || wait $j; done
   stamp suite
   wait $WARM

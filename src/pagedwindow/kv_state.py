@@ -390,10 +390,13 @@ class PagedKvState:
             return q.new_empty(q.shape)
         layer, group, plan, local = fed
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        attention = dict(sm_scale=sm_scale, window_left=window_left, backend=self.backend)
-        check_batch_prefill_paged_window(q, group.pool, group.layout, local, plan, **attention)  # before any write
+        check_batch_prefill_paged_window(  # before any write
+            q, group.pool, group.layout, local, plan, sm_scale=sm_scale, window_left=window_left, backend=self.backend
+        )
         append_paged_kv(k, v, group.pool, group.layout, local, plan, backend=self.backend)
-        out = batch_prefill_paged_window(q, group.pool, group.layout, local, plan, **attention)
+        out = batch_prefill_paged_window(
+            q, group.pool, group.layout, local, plan, sm_scale=sm_scale, window_left=window_left, backend=self.backend
+        )
         self._fed(layer)
         return out
 
@@ -475,10 +478,18 @@ class PagedKvState:
         if fed is None:
             return q_proj.new_empty(q_proj.shape)
         layer, group, plan, local = fed
-        attention = dict(sm_scale=sm_scale, window_left=window_left, backend=self.backend)
         # The attention's checks before the prep writes: q_proj stands for the prepared q (the prep refuses a
         # q_proj of another shape, dtype or device than the q it returns, and the returned q is a fresh tensor).
-        check_batch_prefill_paged_window(q_proj, group.pool, group.layout, local, plan, **attention)
+        check_batch_prefill_paged_window(
+            q_proj,
+            group.pool,
+            group.layout,
+            local,
+            plan,
+            sm_scale=sm_scale,
+            window_left=window_left,
+            backend=self.backend,
+        )
         q = self._prepare(
             fed,
             q_proj,
@@ -491,7 +502,9 @@ class PagedKvState:
             norm_style=norm_style,
             rope_position_factor=rope_position_factor,
         )  # [T, Hq, D]
-        out = batch_prefill_paged_window(q, group.pool, group.layout, local, plan, **attention)
+        out = batch_prefill_paged_window(
+            q, group.pool, group.layout, local, plan, sm_scale=sm_scale, window_left=window_left, backend=self.backend
+        )
         self._fed(layer)
         return out
 

@@ -126,7 +126,7 @@ def bench(args: argparse.Namespace) -> int:
     if args.prep:
         from .bench_prep import PREP_MAKERS, PREP_WORKLOADS
 
-        workloads, systems = PREP_WORKLOADS, PREP_MAKERS
+        workloads, systems = list(PREP_WORKLOADS), PREP_MAKERS
         unknown_workloads = [n for n in args.workloads or () if n not in PREP_WORKLOADS]
         given_flags = (
             ("--sweep", args.sweep),
@@ -198,14 +198,15 @@ def doctor(*, build_kernels: bool = False) -> int:
             f"CUDA backend: cannot be imported ({type(exc).__name__}: {exc}); backend='auto' runs the PyTorch reference"
         )
         return 0
+    nvcc: str | None = None
     try:
-        nvcc = build.find_nvcc()
+        found = build.find_nvcc()
     except build.BuildError as exc:
-        nvcc = None
         print(f"nvcc: {str(exc).removeprefix('nvcc ')}")
     else:
+        nvcc = found
         try:
-            out = build.nvcc_version(nvcc)
+            out = build.nvcc_version(found)
             version = next((line for line in out.splitlines() if "release" in line), out.splitlines()[-1])
         except (OSError, subprocess.SubprocessError, IndexError) as exc:
             version = f"'nvcc --version' failed: {exc}"

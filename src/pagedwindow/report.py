@@ -39,6 +39,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -317,8 +318,10 @@ def run_exercised(metrics: dict) -> dict:
     (report names: ``"sm_90a wgmma"`` / ``"mma.sync"``) and ``kv_copy_paths`` of its CUDA launches."""
     from .measure.runtime import KERNEL_NAMES
 
-    env = metrics.get("environment") if isinstance(metrics.get("environment"), dict) else {}
-    kernels = env.get("kernels") if isinstance(env.get("kernels"), dict) else {}
+    env = metrics.get("environment")
+    env = env if isinstance(env, dict) else {}
+    kernels = env.get("kernels")
+    kernels = kernels if isinstance(kernels, dict) else {}
     backend = metrics.get("backend") or kernels.get("backend") or "unknown"
     device = env.get("gpu") or ("CPU" if str(env.get("device", "")).startswith("cpu") else None)
     if backend == "none":
@@ -447,6 +450,11 @@ def gate_summary(metrics: dict) -> str:
 START = r"(?:(?<![\w.~/-])|(?<=\dm)|(?<=\[m))"  # where a path starts: not inside a longer one; after ANSI colours
 
 
+def _slash_or_bare(replacement: str, bare: str) -> Callable[[re.Match[str]], str]:
+    """A ``re.sub`` replacement: ``replacement`` for a match that ends in a slash, ``bare`` for one that does not."""
+    return lambda match: replacement if match.group(0).endswith("/") else bare
+
+
 def scrub_paths(text: str, replacements: list[tuple[str, str]]) -> str:
     """``text`` with each absolute path prefix replaced, longest first: ``prefix/...`` becomes
     ``replacement...`` and the bare prefix ``replacement`` without its slash (or ``.``). A prefix only matches
@@ -457,7 +465,7 @@ def scrub_paths(text: str, replacements: list[tuple[str, str]]) -> str:
             continue
         bare = replacement.rstrip("/") or "."
         pattern = START + re.escape(prefix) + r"(?:/|(?![\w.-]))"
-        text = re.sub(pattern, lambda m, r=replacement, b=bare: r if m.group(0).endswith("/") else b, text)
+        text = re.sub(pattern, _slash_or_bare(replacement, bare), text)
     return text
 
 
@@ -560,7 +568,7 @@ def render_html(
     *,
     header: str = "",
     title: str | None = None,
-    replacements: list[tuple[str, str]] = (),
+    replacements: Sequence[tuple[str, str]] = (),
 ) -> Path:
     """The executed notebook as HTML without input cells or prompts; stderr streams (progress bars, warnings)
     are left out of the HTML (the executed .ipynb keeps them). ``header`` goes first in the body, ``title``
@@ -645,7 +653,7 @@ def write_index(
     params_path: Path | str,
     params_text: str,
     commit: str | None = None,
-    replacements: list[tuple[str, str]] = (),
+    replacements: Sequence[tuple[str, str]] = (),
 ) -> Path:
     """``report_dir/index.html``: what the report exercised, one row per run (status and gate summary, time,
     what it ran, links, headline metrics), failures spelled out, the parameter set and the environment."""

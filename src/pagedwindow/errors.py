@@ -11,9 +11,8 @@ import torch
 
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
-BYTE_BUFFERS = (bytes, bytearray, memoryview)
-"""Byte buffers: sequences of raw bytes, which ``int_array`` refuses alike (never read as integer sequences)."""
-_NOT_INT_SEQUENCES = (str, *BYTE_BUFFERS)
+NOT_INT_SEQUENCES = (str, bytes, bytearray, memoryview)
+"""Sequences that are never read as sequences of integers: text and byte buffers (raw bytes)."""
 
 
 class PagedWindowError(ValueError):
@@ -58,7 +57,7 @@ def checked_i64(what: str, value) -> int:
 
 def int_array(what: str, values) -> np.ndarray:
     """A 1-D integer numpy array (its own integer dtype) from an integer torch tensor (any device), a numpy array
-    or a sequence of ints. Refuses bools, floats, nested or ragged input, strings, byte buffers (``BYTE_BUFFERS``)
+    or a sequence of ints. Refuses bools, floats, nested or ragged input, strings, byte buffers (``NOT_INT_SEQUENCES``)
     and values past int64, naming ``what`` and the first offending index. A tensor or array may be shared, not
     copied: callers copy what they keep."""
     if isinstance(values, torch.Tensor):
@@ -87,7 +86,7 @@ def int_array(what: str, values) -> np.ndarray:
         if values.dtype == np.uint64 and len(values) and int(values.max()) > INT64_MAX:
             raise PagedWindowError(f"{what} holds integers past int64 (bound {INT64_MAX})")
         return values
-    if isinstance(values, _NOT_INT_SEQUENCES) or not isinstance(values, Sequence):
+    if isinstance(values, NOT_INT_SEQUENCES) or not isinstance(values, Sequence):
         raise PagedWindowError(f"{what} must be a sequence of integers, got {type(values).__name__}")
     if len(values) == 0:
         return np.zeros(0, dtype=np.int64)

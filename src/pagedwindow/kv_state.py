@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .api import append_paged_kv, batch_prefill_paged_window, check_batch_prefill_paged_window, prepare_paged_qkv
-from .errors import PagedWindowError, checked_i32, checked_i32_array, checked_int, int_array
+from .errors import NOT_INT_SEQUENCES, PagedWindowError, checked_i32, checked_i32_array, checked_int, int_array
 from .layout import PagedKvLayout
 from .plan import PrefillPagedPlan
 
@@ -58,7 +58,7 @@ def prompt_chunks(prompt_lens, chunks=None, *, what: str = "") -> tuple[tuple[in
         raise PagedWindowError(f"{what}prompt lengths {lens} must each be at least one token")
     if chunks is None:
         return tuple((n,) for n in lens)
-    if isinstance(chunks, (str, bytes)) or not isinstance(chunks, Sequence):
+    if isinstance(chunks, NOT_INT_SEQUENCES) or not isinstance(chunks, Sequence):
         raise PagedWindowError(f"{what}chunks must be one sequence of chunk sizes per prompt, got {chunks!r}")
     chunks = tuple(tuple(_lengths(f"{what}chunks[{i}]", c, minimum=None)) for i, c in enumerate(chunks))
     if len(chunks) != len(lens):

@@ -62,7 +62,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .errors import BYTE_BUFFERS, INT32_MAX, PagedWindowError, checked_i32, checked_i32_array, int_array
+from .errors import INT32_MAX, NOT_INT_SEQUENCES, PagedWindowError, checked_i32, checked_i32_array, int_array
 from .tiles import (
     SPLIT_KV_TILE,
     SPLIT_KV_UNITS_PER_SM,
@@ -832,7 +832,7 @@ def _csr_from_requests(page_indices, last_page_lens, start_positions, seq_lens, 
     if batch == 0:
         raise PagedWindowError("a plan needs at least one request; seq_lens is empty")
     if (
-        isinstance(page_indices, (str, *BYTE_BUFFERS))
+        isinstance(page_indices, NOT_INT_SEQUENCES)
         or not isinstance(page_indices, (Sequence, np.ndarray))
         or (isinstance(page_indices, np.ndarray) and page_indices.ndim == 0)
     ):

@@ -48,27 +48,22 @@ def check_positive_fp32(what: str, name: str, value) -> float:
     return rounded
 
 
-def check_positive_real(what: str, name: str, value) -> float:
-    """A real number that is finite and > 0, as a Python float (RoPE's theta and position factor: they enter
-    the same torch ops as Hugging Face's, unrounded)."""
-    return finite_positive(what, name, value)
-
-
 _last_scalars: list = [None, None]  # [(eps, theta, factor) last accepted as floats, their checked values]
 
 
 def check_prep_scalars(what: str, eps, rope_theta, rope_position_factor) -> tuple[float, float, float]:
-    """``eps`` by :func:`check_positive_fp32`, ``rope_theta`` and ``rope_position_factor`` by
-    :func:`check_positive_real`; returns the three checked values. The last accepted floats are remembered (the
-    serving loop passes the same ones every call); anything else is checked in full."""
+    """``eps`` by :func:`check_positive_fp32`, ``rope_theta`` and ``rope_position_factor`` finite and > 0
+    (:func:`~pagedwindow.semantics.finite_positive`, unrounded); returns the three checked values. The last
+    accepted floats are remembered (the serving loop passes the same ones every call); anything else is checked in
+    full."""
     given = (eps, rope_theta, rope_position_factor)
     floats = type(eps) is float and type(rope_theta) is float and type(rope_position_factor) is float
     if floats and given == _last_scalars[0]:
         return _last_scalars[1]
     checked = (
         check_positive_fp32(what, "eps", eps),
-        check_positive_real(what, "rope_theta", rope_theta),
-        check_positive_real(what, "rope_position_factor", rope_position_factor),
+        finite_positive(what, "rope_theta", rope_theta),  # unrounded: they enter the same torch ops as HF's do
+        finite_positive(what, "rope_position_factor", rope_position_factor),
     )
     if floats:  # only finite, positive values get here (and NaN never compares equal)
         _last_scalars[:] = (given, checked)

@@ -3,7 +3,8 @@
 #   rm -rf ab && mkdir -p ab/new && git archive HEAD | tar -x -C ab/new
 #   (cd ab/new && patch -p1 < ../../benchmarks/patches/decode-merge-grid-multi-row-tiles.patch)
 #   device call: bash benchmarks/runs/run160-planned.sh, carrying .whl/peer-site.tar.xz
-#   (on a short budget: LIMIT=<seconds> SUITE_S=<seconds per suite part>; results are tarred after each stage)
+#   (on a short budget: LIMIT=<seconds> SUITE_S=<seconds per suite part>; results are tarred after each stage;
+#   RUN=<number> names the results)
 # One call. On an H200: the closing set of issues 13 and 11 on main's tree (the whole GPU suite with memcheck and
 # racecheck beside it, the prep bars, the default-plan bench against fa2/fa3, the decode sweep against fa2/fa3).
 # On an H100: tiles of more than 2 rows merged by the merge grid (benchmarks/patches/
@@ -16,6 +17,7 @@ trap 'tar -czf $OUT/all.tar.gz -C $OUT r' EXIT
 export PYTHONPATH=$PWD/src PYTHONUNBUFFERED=1 PAGEDWINDOW_REQUIRE_GPU=1 PAGEDWINDOW_CACHE_DIR=/tmp/pwc
 T0=$(date +%s)
 LIMIT=${LIMIT:-585}
+RUN=${RUN:-160}  # the call's number, in the results' labels
 SUITE_S=${SUITE_S:-300}  # seconds each suite part may take on the H200 (lower it with LIMIT on a short budget)
 ROOT=$PWD
 left() { echo $(( LIMIT - ($(date +%s) - T0) )); }
@@ -61,11 +63,11 @@ if grep -q H200 $R/gpu.txt; then
   stamp suite
   wait $WARM
   export PYTHONPATH=$PYTHONPATH:$SITE
-  timeout $(left) python3 -m pagedwindow.cli bench --prep --label run160 --workloads prep_8192 prep_decode_64x1 \
+  timeout $(left) python3 -m pagedwindow.cli bench --prep --label run$RUN --workloads prep_8192 prep_decode_64x1 \
     --out $R/res > $R/prep.txt 2>&1; echo "rc $?" >> $R/prep.txt; stamp prep
-  timeout $(left) python3 -m pagedwindow.cli bench --label run160 --systems pagedwindow flashinfer_fa2 flashinfer_fa3 \
+  timeout $(left) python3 -m pagedwindow.cli bench --label run$RUN --systems pagedwindow flashinfer_fa2 flashinfer_fa3 \
     --out $R/res > $R/bench.txt 2>&1; echo "rc $?" >> $R/bench.txt; stamp bench
-  timeout $(left) python3 -m pagedwindow.cli bench --decode-sweep --quick --label run160-decode-sweep \
+  timeout $(left) python3 -m pagedwindow.cli bench --decode-sweep --quick --label run$RUN-decode-sweep \
     --systems pagedwindow flashinfer_fa2 flashinfer_fa3 --out $R/res > $R/dsweep.txt 2>&1; echo "rc $?" >> $R/dsweep.txt
   stamp dsweep
   echo "=== summary"; cat $R/gpu.txt; suite_summary; tail -n 1 $R/fi-warm.txt
@@ -86,7 +88,7 @@ WL=""
 for n in 4 8 16; do for b in 1 2 4 8 16; do WL="$WL sweep_spec_b${b}_n${n}_c4096_p16_w1023"; done; done
 for b in 1 2 4 8 16; do WL="$WL sweep_spec_b${b}_n8_c240_p16_w1023"; done
 PYTHONPATH=$PYTHONPATH:$SITE timeout $(( $(left) - 20 )) python3 -m pagedwindow.cli bench --quick \
-  --label run160-spec --systems pagedwindow flashinfer_fa2 flashinfer_fa3 --workloads $WL --out $R/res > $R/spec.txt 2>&1
+  --label run$RUN-spec --systems pagedwindow flashinfer_fa2 flashinfer_fa3 --workloads $WL --out $R/res > $R/spec.txt 2>&1
 echo "rc $?" >> $R/spec.txt; stamp spec
 timeout $(( $(left) - 5 )) python3 benchmarks/variant_ab.py --variant n16:-DPW_DECODE_GRID_MERGE_MULTI_ROW_SPLITS=16 \
   --variant n4: --src n16=$NEW --src n4=$NEW --rounds 2 --cta-tile-q 16 --workloads sweep_spec_b4_n8_c4096_p16_w1023 \

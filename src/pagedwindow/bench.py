@@ -28,7 +28,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -192,6 +192,17 @@ class Inputs:
     cta_tile_q: int | None = None  # the tile override the plan was built with (None: the plan's own choice)
 
 
+class PlanInputs(Protocol):
+    """What :func:`plan_times` reads of an input set: an :class:`Inputs` or the prep bench's ``PrepInputs``."""
+
+    @property
+    def q(self) -> torch.Tensor: ...  # [total_tokens, HQ, HEAD_DIM]: its device is the plans'
+    @property
+    def csr(self) -> Csr: ...
+    @property
+    def cta_tile_q(self) -> int | None: ...
+
+
 def make_inputs(w: Workload, gen: torch.Generator, device, cta_tile_q=None) -> Inputs:
     """A seeded input set for ``w``: pages shuffled by ``gen`` (``pagedwindow.testing.random_pages``), pool and q
     filled on ``device`` from a generator ``gen`` seeds (a float64 batch on the host would not fit the large
@@ -283,7 +294,8 @@ def system_flex(w: Workload, inp: Inputs):
 
     compiled = torch.compile(flex_attention, dynamic=False)
     qo = inp.csr.qo_indptr.tolist()
-    calls, outs = [], []
+    calls = []
+    outs: list[torch.Tensor] = []  # [B, HQ, seq, D] each
     for r, (start, seq) in enumerate(zip(w.start_positions, w.seq_lens)):
         k, v = dense_kv(inp, r)
         kv_len = start + seq
@@ -328,10 +340,10 @@ def system_sdpa(w: Workload, inp: Inputs):
         k = torch.stack([x[0].transpose(0, 1) for x in kvs]).contiguous()  # [B, HKV, kv, D]
         v = torch.stack([x[1].transpose(0, 1) for x in kvs]).contiguous()
         q_pos = torch.arange(start, kv_len, device=q.device)[:, None]
-        key = torch.arange(kv_len, device=q.device)[None, :]
-        mask = key_visible(q_pos, key, w.window_left)  # [seq, kv_len]
+        k_pos = torch.arange(kv_len, device=q.device)[None, :]
+        mask = key_visible(q_pos, k_pos, w.window_left)  # [seq, kv_len]
         batches.append((reqs, q, k, v, mask))
-    outs = []
+    outs: list[tuple[list[int], torch.Tensor]] = []  # (requests, [B, HQ, seq, D])
 
     def call():
         outs.clear()
@@ -454,7 +466,7 @@ NO_PLAN = {
 }
 
 
-def plan_times(system: str, w: Workload, inp: Inputs, reps: int) -> dict:
+def plan_times(system: str, w: Workload, inp: PlanInputs, reps: int) -> dict:
     """Host time of planning ``inp``'s batch from its CSR as each system's user does it: record fields.
 
     pagedwindow: ``PrefillPagedPlan.from_csr`` (a new plan) and ``update_csr`` (in place) of the int32 CSR as CUDA
@@ -584,6 +596,7 @@ def run_bench(
     ``cta_tile_q`` overrides the plans' tile (all systems see the same batch; only pagedwindow reads the tile).
     """
     named = [(n, workload_named(n)) for n in workloads or ()]
+    found = [w for _, w in named if w is not None]  # all of them once `unknown` is empty
     unknown = [n for n, w in named if w is None] + [s for s in systems or () if s not in MAKERS]
     if unknown:
         print(
@@ -591,7 +604,7 @@ def run_bench(
             f"point's name ({', '.join(POINT_NAME_FORMS)}), systems {list(MAKERS)}"
         )
         return 2
-    twice = named_twice([w.name for _, w in named], systems)
+    twice = named_twice([w.name for w in found], systems)
     if twice:
         print(f"pagedwindow bench: {twice} named more than once (each is timed once)")
         return 2
@@ -599,7 +612,7 @@ def run_bench(
         print("pagedwindow bench needs a CUDA GPU; none is available.")
         return 2
     device = torch.device("cuda")
-    chosen = [w for _, w in named] if workloads else [] if sweep or decode_sweep else list(WORKLOADS.values())
+    chosen = found if workloads else [] if sweep or decode_sweep else list(WORKLOADS.values())
     slices = sweep_slices(decode_only=not sweep) if sweep or decode_sweep else []
     chosen += sweep_workloads(slices)
     systems = list(systems or SYSTEMS)

@@ -46,7 +46,7 @@ def transformers_version() -> tuple[int, int, int]:
         parts.append(int(digits) if digits else 0)
     while len(parts) < 3:
         parts.append(0)
-    return tuple(parts)
+    return parts[0], parts[1], parts[2]
 
 
 def require_transformers() -> None:
@@ -308,12 +308,15 @@ def _check_rotary(model, head_dim: int, theta: float, factor: float) -> None:
 def _layer_prep(module, style: str, theta: float, factor: float) -> LayerPrep:
     layer = int(module.layer_idx)
     norms = {name: getattr(module, name, None) for name in ("q_norm", "k_norm", "v_norm")}
+    weights: dict[str, torch.Tensor] = {}  # q_norm, k_norm -> [head_dim]
     for name in ("q_norm", "k_norm"):
         norm = norms[name]
-        if type(norm).__name__ != _NORM_CLASS[style] or not isinstance(getattr(norm, "weight", None), torch.Tensor):
+        weight = getattr(norm, "weight", None)
+        if type(norm).__name__ != _NORM_CLASS[style] or not isinstance(weight, torch.Tensor):
             raise PagedWindowError(
                 f"fused prep: layer {layer}'s {name} is {type(norm).__name__}, not a weighted {_NORM_CLASS[style]}"
             )
+        weights[name] = weight
     v_norm = norms["v_norm"]
     if style == "gemma4" and (
         type(v_norm).__name__ != _NORM_CLASS[style] or getattr(v_norm, "weight", None) is not None
@@ -330,8 +333,8 @@ def _layer_prep(module, style: str, theta: float, factor: float) -> LayerPrep:
     return LayerPrep(
         layer_idx=layer,
         norm_style=style,
-        q_norm_weight=norms["q_norm"].weight,
-        k_norm_weight=norms["k_norm"].weight,
+        q_norm_weight=weights["q_norm"],
+        k_norm_weight=weights["k_norm"],
         eps=eps.pop(),
         rope_theta=theta,
         rope_position_factor=factor,
@@ -345,10 +348,11 @@ def sliding_prep(model) -> dict[int, LayerPrep]:
     checked against the built model: the family's norm style (``config.model_type``) and norm classes, one eps,
     an unweighted v_norm (Gemma 4) or none (Gemma 3), and a RoPE base that reproduces the rotary module's
     frequencies bit for bit with attention scaling 1. Raises ``PagedWindowError`` naming what does not fit."""
-    style = NORM_STYLE_OF_MODEL_TYPE.get(getattr(model.config, "model_type", None))
+    model_type = getattr(model.config, "model_type", None)
+    style = NORM_STYLE_OF_MODEL_TYPE.get(model_type) if model_type is not None else None
     if style is None:
         raise PagedWindowError(
-            f"fused prep: model_type {getattr(model.config, 'model_type', None)!r} is not one of "
+            f"fused prep: model_type {model_type!r} is not one of "
             f"{sorted(NORM_STYLE_OF_MODEL_TYPE)} (Gemma 4 / Gemma 3 text models)"
         )
     geometry = {g.layer_idx: g for g in attention_geometry(model)}

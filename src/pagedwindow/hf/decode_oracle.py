@@ -124,8 +124,8 @@ def step_logits(
     ckw = cache_kwarg(model)
     fed = [0] * bsz
     mask_cols = []
-    logits = [[] for _ in range(bsz)]
-    tokens = [[] for _ in range(bsz)]
+    logits: list[list[torch.Tensor]] = [[] for _ in range(bsz)]  # request -> [V] per step
+    tokens: list[list[int]] = [[] for _ in range(bsz)]
 
     def forward(ids, valid, pos):
         mask_cols.append(valid)

@@ -47,9 +47,10 @@ import types
 from dataclasses import dataclass
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from .. import PagedWindowError, window_left_from_sliding_window
-from ..kv_state import PagedKvState
+from ..kv_state import PagedKvState, StepInfo
 from ._compat import attention_geometry, attention_modules, decoder, register_attention, sliding_prep
 
 ATTN_IMPL = "pagedwindow"
@@ -153,8 +154,8 @@ class PagedWindowSession:
         self.forward_steps = 0
         self.resets = 0
         self._step_pending = False
-        self._rows = None  # per request: index tensor of the real rows of the current step
-        self._hook = None
+        self._rows: list[torch.Tensor] | None = None  # per request: index tensor of the real rows of the current step
+        self._hook: RemovableHandle | None = None
 
     # -- step boundaries ---------------------------------------------------------------------------------------
     def _pre_forward(self, module, args, kwargs):
@@ -253,21 +254,29 @@ class PagedWindowSession:
         ):
             raise PagedWindowError(f"{ATTN_IMPL}: layer {layer} query batch differs from the step's")
 
+    def _step_rows(self) -> tuple[StepInfo, list[torch.Tensor]]:
+        """The current step and, per request, the index tensor of its real rows (both set by :meth:`_begin_step`)."""
+        step, rows = self.state.step, self._rows
+        if step is None or rows is None:
+            raise PagedWindowError(f"{ATTN_IMPL}: no step begun (the first layer of a forward begins it)")
+        return step, rows
+
     def _gather(self, t: torch.Tensor) -> torch.Tensor:
         """The step's real rows of ``t [B, S, H, D]``, active requests in order: ``[T, H, D]``."""
-        act = self.state.step.active
+        step, step_rows = self._step_rows()
+        act = step.active
         if not act:
             return t.new_empty(0, t.shape[2], t.shape[3])
-        return torch.cat([t[b][self._rows[b]] for b in act])
+        return torch.cat([t[b][step_rows[b]] for b in act])
 
     def _scatter(self, rows: torch.Tensor, bsz: int, s: int, like: torch.Tensor) -> torch.Tensor:
         """``rows [T, Hq, D]`` back to ``[B, S, Hq, D]`` in ``like``'s dtype; pad rows are zero."""
-        step = self.state.step
+        step, step_rows = self._step_rows()
         out = like.new_zeros(bsz, s, rows.shape[1], rows.shape[2])
         at = 0
         for b in step.active:
             n = step.seq[b]
-            out[b, self._rows[b]] = rows[at : at + n].to(out.dtype)
+            out[b, step_rows[b]] = rows[at : at + n].to(out.dtype)
             at += n
         return out
 

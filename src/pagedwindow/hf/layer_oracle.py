@@ -188,7 +188,8 @@ def run_layer_case(
         [(g.num_kv_heads, g.head_dim) for g in geometry], page_size=case.page_size, backend=backend, seed=seed
     )
     state.reset(len(prompts))
-    ours_rows = [[[] for _ in geometry] for _ in prompts]  # request -> layer -> list of [n, Hq, D]
+    # request -> layer -> list of [n, Hq, D]
+    ours_rows: list[list[list[torch.Tensor]]] = [[[] for _ in geometry] for _ in prompts]
     result = LayerCaseResult(
         case=case, dtype=str(dtype).replace("torch.", ""), backend=backend, fused_layers=sorted(prep)
     )

@@ -11,10 +11,16 @@ fp32 and a bf16 model of one seed share weights up to bf16 rounding). The rotary
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..errors import PagedWindowError
 from ._compat import attention_geometry, require_transformers
+
+if TYPE_CHECKING:
+    from transformers import Gemma3TextConfig, Gemma4TextConfig, PreTrainedConfig
 
 # Multipliers drawn for the RMSNorm weights: hidden-state norms in HIDDEN_NORM_RANGE; the q/k norms are drawn
 # around a centre chosen from the layer's own scale and head_dim so that the attention logits (sm_scale * q.k,
@@ -56,13 +62,22 @@ def _layer_types(layer_types, num_layers: int, sliding_window_pattern: int) -> l
     return types
 
 
+def _norm_weight(norm: torch.nn.Module) -> torch.Tensor:
+    """An RMSNorm's ``weight`` parameter (``[dim]``)."""
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise PagedWindowError(f"{type(norm).__name__} has no weight tensor")
+    return weight
+
+
 def _norm_uses_offset(norm: torch.nn.Module) -> bool:
     """Whether an RMSNorm scales by ``1 + weight`` (Gemma 3) rather than ``weight`` (Gemma 4): probe it."""
+    weight = _norm_weight(norm)
     with torch.no_grad():
-        saved = norm.weight.detach().clone()
-        norm.weight.zero_()
-        probe = norm(torch.ones(1, norm.weight.shape[0], dtype=norm.weight.dtype, device=norm.weight.device))
-        norm.weight.copy_(saved)
+        saved = weight.detach().clone()
+        weight.zero_()
+        probe = norm(torch.ones(1, weight.shape[0], dtype=weight.dtype, device=weight.device))
+        weight.copy_(saved)
     return bool(probe.abs().max() > 0.5)
 
 
@@ -152,14 +167,14 @@ def gemma4_config(
     attention_k_eq_v: bool = True,
     max_position_embeddings: int = MAX_POSITION_EMBEDDINGS,
     tie_word_embeddings: bool = True,
-):
+) -> Gemma4TextConfig:
     """The ``Gemma4TextConfig`` :func:`tiny_gemma4` builds from (no weights: cheap at any width).
     ``tie_word_embeddings=False`` gives the model its own random output head (see :func:`tiny_model`)."""
     require_transformers()
     from transformers import Gemma4TextConfig
 
     types = _layer_types(layer_types, num_layers, sliding_window_pattern)
-    return Gemma4TextConfig(
+    return Gemma4TextConfig(  # type: ignore[call-arg]  # global_head_dim, attn_implementation: **kwargs at runtime
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -194,13 +209,13 @@ def gemma3_config(
     query_pre_attn_scalar: int = 256,
     max_position_embeddings: int = MAX_POSITION_EMBEDDINGS,
     tie_word_embeddings: bool = True,
-):
+) -> Gemma3TextConfig:
     """The ``Gemma3TextConfig`` :func:`tiny_gemma3` builds from (no weights: cheap at any width)."""
     require_transformers()
     from transformers import Gemma3TextConfig
 
     types = _layer_types(layer_types, num_layers, sliding_window_pattern)
-    return Gemma3TextConfig(
+    return Gemma3TextConfig(  # type: ignore[call-arg]  # attn_implementation: **kwargs at runtime
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
@@ -260,7 +275,7 @@ def tiny_gemma3(seed: int = 0, *, dtype: torch.dtype = torch.float32, device="cp
     return _tiny("gemma3", seed, dtype, device, config)
 
 
-CONFIG_BUILDERS = {"gemma4": gemma4_config, "gemma3": gemma3_config}
+CONFIG_BUILDERS: dict[str, Callable[..., PreTrainedConfig]] = {"gemma4": gemma4_config, "gemma3": gemma3_config}
 TINY_BUILDERS = {"gemma4": tiny_gemma4, "gemma3": tiny_gemma3}
 
 
@@ -278,7 +293,7 @@ def tiny_model(family: str, seed: int = 0, **kwargs):
     return builder(seed, **kwargs)
 
 
-def tiny_config(family: str, **kwargs):
+def tiny_config(family: str, **kwargs) -> PreTrainedConfig:
     """The config :func:`tiny_model` would build ``family`` from, given the same keywords (less ``seed``,
     ``dtype``, ``device``): the geometry of a model too large to build where it is checked."""
     try:

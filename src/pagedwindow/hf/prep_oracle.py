@@ -228,7 +228,8 @@ def run_prep_case(
         seed=seed,
     )
     state.reset(len(prompts))
-    ours_q = [[[] for _ in layers] for _ in prompts]  # request -> local layer -> [n, Hq, D] per step
+    # request -> local layer -> [n, Hq, D] per step
+    ours_q: list[list[list[torch.Tensor]]] = [[[] for _ in layers] for _ in prompts]
     for seq in schedule:
         step = state.begin_step(seq)
         act = step.active
@@ -245,9 +246,9 @@ def run_prep_case(
                 at += step.seq[i]
 
     for local, layer in enumerate(layers):
-        ours = {name: [] for name in TENSORS}
-        hf = {name: [] for name in TENSORS}
-        ref = {name: [] for name in TENSORS}
+        ours: dict[str, list[torch.Tensor]] = {name: [] for name in TENSORS}
+        hf: dict[str, list[torch.Tensor]] = {name: [] for name in TENSORS}
+        ref: dict[str, list[torch.Tensor]] = {name: [] for name in TENSORS}
         for i, cap in enumerate(captures):
             call = cap.layer(layer)
             k_back, v_back = state.read_kv(local, i)  # [L, Hkv, D] each, from the pool slots

@@ -58,10 +58,10 @@ def oracle_table(
             # the cuda kernels are bf16: fp32 runs the reference backend on the same device
             be = backend if dtype == torch.bfloat16 else ("reference" if backend == "cuda" else backend)
             model = tiny_model(family, seed, dtype=dtype, device=device, sliding_window=window)
-            for i, case in enumerate(default_prep_cases(window)):
+            for i, prep_case in enumerate(default_prep_cases(window)):
                 t0 = time.perf_counter()
                 # the prep kernel runs fp32 too: the backend as asked
-                prep = run_prep_case(model, case, backend=backend, seed=seed + i)
+                prep = run_prep_case(model, prep_case, backend=backend, seed=seed + i)
                 out["prep_rows"].extend(dict(r, family=family) for r in prep.rows())
                 worst_prep = prep.worst()
                 out["prep"].append(
@@ -69,7 +69,7 @@ def oracle_table(
                         "family": family,
                         "dtype": dname,
                         "backend": backend,
-                        "case": case.name,
+                        "case": prep_case.name,
                         "passed": prep.passed,
                         "worst_layer": worst_prep.layer,
                         "worst_tensor": worst_prep.tensor,
@@ -81,18 +81,18 @@ def oracle_table(
                         "seconds": time.perf_counter() - t0,
                     }
                 )
-            for i, case in enumerate(default_layer_cases(window)):
+            for i, layer_case in enumerate(default_layer_cases(window)):
                 t0 = time.perf_counter()
-                res = run_layer_case(model, case, backend=be, seed=seed + i, fused_prep=fused_prep)
-                worst = res.worst()
-                out["layer_rows"].extend(dict(r, family=family) for r in res.rows())
+                layer_res = run_layer_case(model, layer_case, backend=be, seed=seed + i, fused_prep=fused_prep)
+                worst = layer_res.worst()
+                out["layer_rows"].extend(dict(r, family=family) for r in layer_res.rows())
                 out["layer"].append(
                     {
                         "family": family,
                         "dtype": dname,
                         "backend": be,
-                        "case": case.name,
-                        "passed": res.passed,
+                        "case": layer_case.name,
+                        "passed": layer_res.passed,
                         "worst_layer": worst.layer,
                         "layer_type": worst.layer_type,
                         "ours_max_abs": worst.ours.max_abs,
@@ -100,19 +100,25 @@ def oracle_table(
                         "floor_max_abs": worst.floor.max_abs,
                         "floor_max_rel": worst.floor.max_rel,
                         "limit": worst.gate.limit,
-                        "ours_vs_fp64": max(e.ours_vs_truth.max_abs for e in res.layers),
-                        "eager_vs_fp64": max(e.eager_vs_truth.max_abs for e in res.layers),
-                        "sdpa_vs_fp64": max(e.sdpa_vs_truth.max_abs for e in res.layers),
+                        "ours_vs_fp64": max(e.ours_vs_truth.max_abs for e in layer_res.layers),
+                        "eager_vs_fp64": max(e.eager_vs_truth.max_abs for e in layer_res.layers),
+                        "sdpa_vs_fp64": max(e.sdpa_vs_truth.max_abs for e in layer_res.layers),
                         "seconds": time.perf_counter() - t0,
                     }
                 )
-            for i, case in enumerate(default_decode_cases(window)):
+            for i, decode_case in enumerate(default_decode_cases(window)):
                 t0 = time.perf_counter()
-                res = run_decode_case(model, case, backend=be, seed=seed + i, fused_prep=fused_prep)
-                out["decode_rows"].extend(dict(r, family=family) for r in res.rows())
-                for s in res.summary():
+                decode_res = run_decode_case(model, decode_case, backend=be, seed=seed + i, fused_prep=fused_prep)
+                out["decode_rows"].extend(dict(r, family=family) for r in decode_res.rows())
+                for s in decode_res.summary():
                     out["decode"].append(
-                        dict(s, family=family, passed=res.passed, verdict=res.verdict, seconds=time.perf_counter() - t0)
+                        dict(
+                            s,
+                            family=family,
+                            passed=decode_res.passed,
+                            verdict=decode_res.verdict,
+                            seconds=time.perf_counter() - t0,
+                        )
                     )
     return out
 

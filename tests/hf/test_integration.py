@@ -699,25 +699,8 @@ def _call_layer(model, session, fused_prep, layer, bsz, n):
     ("bsz", "q_len"),
     [
         (2, 5),
-        pytest.param(
-            1,
-            6,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="_enter_layer compares the step's rows with the step's own total (always equal), so only a "
-                "batch-size change is caught: a later layer with more query rows silently attends with the first "
-                "q_len rows and returns zeros for the rest",
-            ),
-        ),
-        pytest.param(
-            1,
-            4,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="_enter_layer does not compare the query length with the step's: a later layer with fewer "
-                "rows fails in _gather with an IndexError instead of a PagedWindowError",
-            ),
-        ),
+        (1, 6),
+        (1, 4),
     ],
     ids=["batch", "longer", "shorter"],
 )

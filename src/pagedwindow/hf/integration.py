@@ -155,6 +155,7 @@ class PagedWindowSession:
         self.resets = 0
         self._step_pending = False
         self._rows: list[torch.Tensor] | None = None  # per request: index tensor of the real rows of the current step
+        self._query_shape: tuple[int, int] | None = None  # (batch, query length) of the layers of the current step
         self._hook: RemovableHandle | None = None
 
     # -- step boundaries ---------------------------------------------------------------------------------------
@@ -230,6 +231,7 @@ class PagedWindowSession:
             state.reset(bsz)
         state.begin_step(seq)
         self._rows = rows
+        self._query_shape = (bsz, s)
         self._step_pending = False
 
     @contextlib.contextmanager
@@ -249,10 +251,11 @@ class PagedWindowSession:
         """Begin the step at the first layer of a forward; later layers must see the same batch."""
         if self._step_pending or self.state.step is None:
             self._begin_step(bsz, s, device, valid, position_ids)
-        elif self._rows is not None and (
-            len(self._rows) != bsz or sum(int(r.numel()) for r in self._rows) != self.state.step.total_tokens
-        ):
-            raise PagedWindowError(f"{ATTN_IMPL}: layer {layer} query batch differs from the step's")
+        elif (bsz, s) != self._query_shape:
+            raise PagedWindowError(
+                f"{ATTN_IMPL}: layer {layer} query batch differs from the step's: {bsz}x{s}, the step began with "
+                f"{self._query_shape}"
+            )
 
     def _step_rows(self) -> tuple[StepInfo, list[torch.Tensor]]:
         """The current step and, per request, the index tensor of its real rows (both set by :meth:`_begin_step`)."""

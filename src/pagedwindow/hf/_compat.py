@@ -185,7 +185,15 @@ def attention_geometry(model) -> list[LayerGeometry]:
                 f"layer {module.layer_idx} shares another layer's K/V (num_kv_shared_layers > 0):"
                 " not supported by the pagedwindow HF integration"
             )
-        layer_type = getattr(module, "layer_type", None) or model.config.layer_types[module.layer_idx]
+        layer_type = getattr(module, "layer_type", None)
+        if layer_type is None:
+            layer_types = getattr(model.config, "layer_types", None)
+            if layer_types is None:
+                raise PagedWindowError(
+                    f"{type(model.config).__name__} names no layer_types (sliding or full attention per layer):"
+                    " not a Gemma 4 / Gemma 3 text model"
+                )
+            layer_type = layer_types[module.layer_idx]
         out.append(
             LayerGeometry(
                 layer_idx=int(module.layer_idx),
